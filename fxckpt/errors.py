@@ -1,0 +1,49 @@
+"""The exceptions fxckpt raises. Every one of them derives from :class:`FxckptError`."""
+
+from __future__ import annotations
+
+
+class FxckptError(Exception):
+    """Base class of every error fxckpt raises on purpose."""
+
+
+class OptionsError(FxckptError, ValueError):
+    """An option has a value fxckpt cannot accept.
+
+    ``option`` names the option, ``value`` is what was received and ``accepted`` says what to
+    write instead.
+    """
+
+    def __init__(self, option: str, value: object, accepted: str, detail: str = "") -> None:
+        self.option = option
+        self.value = value
+        self.accepted = accepted
+        self.detail = detail
+        why = f" ({detail})" if detail else ""
+        super().__init__(f"fxckpt option {option!r}: got {value!r}{why}; expected {accepted}")
+
+
+class BudgetError(FxckptError):
+    """No plan fits the memory budget.
+
+    ``smallest_bytes`` is the smallest resident peak the planner could reach, and
+    ``suggestions`` lists options that would go lower.
+    """
+
+    def __init__(
+        self, graph: str, budget_bytes: int, smallest_bytes: int, suggestions: list[str]
+    ) -> None:
+        self.graph = graph
+        self.budget_bytes = budget_bytes
+        self.smallest_bytes = smallest_bytes
+        self.suggestions = list(suggestions)
+        hint = ("; to go lower: " + ", ".join(suggestions)) if suggestions else ""
+        super().__init__(
+            f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes: the smallest "
+            f"resident peak the planner reaches is {smallest_bytes} bytes{hint}. "
+            "Raise memory_budget, or pass on_infeasible='warn' to run the smallest plan."
+        )
+
+
+class RuntimeCopyError(FxckptError, RuntimeError):
+    """A host/device copy of an offloaded activation failed."""

@@ -1,0 +1,1 @@
+"""Read-only facts about joint, forward and backward graphs."""

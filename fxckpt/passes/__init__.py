@@ -1,0 +1,1 @@
+"""Graph passes that carry out a Plan; each is GraphModule -> GraphModule."""

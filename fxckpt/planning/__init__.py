@@ -1,0 +1,1 @@
+"""Pure decision-making: facts and numbers in, a Plan out."""

@@ -1,0 +1,196 @@
+"""Decisions and plans: what happens to each saved activation, and why.
+
+A :class:`Plan` is pure data. The planner makes it, the passes carry it out, and the report,
+the logs and :func:`fxckpt.last_plans` display it. It round-trips through :meth:`Plan.to_dict`
+and :meth:`Plan.from_dict`, which is how a graph loaded from the compile cache still knows its
+plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+DecisionKind = Literal["keep", "recompute", "offload"]
+
+
+@dataclass(frozen=True)
+class Keep:
+    """The tensor stays on the device from the forward to the backward."""
+
+    reason: str
+    kind: DecisionKind = field(default="keep", init=False)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The backward recomputes the tensor instead of the forward saving it."""
+
+    reason: str
+    kind: DecisionKind = field(default="recompute", init=False)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The forward copies the tensor to host memory; the backward prefetches it back."""
+
+    reason: str
+    kind: DecisionKind = field(default="offload", init=False)
+
+
+Decision = Union[Keep, Recompute, Offload]
+_BY_KIND: dict[str, type[Keep] | type[Recompute] | type[Offload]] = {
+    "keep": Keep,
+    "recompute": Recompute,
+    "offload": Offload,
+}
+
+
+def decision_from(kind: str, reason: str) -> Decision:
+    """Build the Decision named by ``kind``."""
+    return _BY_KIND[kind](reason)
+
+
+@dataclass(frozen=True)
+class PlannedActivation:
+    """One tensor that plain min-cut or the final plan saves for the backward."""
+
+    name: str
+    module: str
+    op: str
+    shape: tuple[Any, ...]
+    dtype: str
+    bytes: int
+    decision: Decision
+    block: int | None = None
+    storage: str = ""  # name of the node owning the storage; equal storages count once
+    flops: float = 0.0  # FLOPs to recompute it (recomputed rows only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "op": self.op,
+            "shape": [str(s) if not isinstance(s, int) else s for s in self.shape],
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "decision": self.decision.kind,
+            "reason": self.decision.reason,
+            "block": self.block,
+            "storage": self.storage,
+            "flops": self.flops,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> PlannedActivation:
+        return PlannedActivation(
+            name=d["name"],
+            module=d["module"],
+            op=d["op"],
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            bytes=int(d["bytes"]),
+            decision=decision_from(d["decision"], d["reason"]),
+            block=d.get("block"),
+            storage=d.get("storage", ""),
+            flops=float(d.get("flops", 0.0)),
+        )
+
+
+def _bytes_per_storage(rows: list[PlannedActivation], kind: str) -> int:
+    seen: set[str] = set()
+    total = 0
+    for r in rows:
+        key = r.storage or r.name
+        if r.decision.kind == kind and key not in seen:
+            seen.add(key)
+            total += r.bytes
+    return total
+
+
+@dataclass
+class Plan:
+    """The decisions for one compiled graph, with the figures that justify them."""
+
+    name: str
+    activations: list[PlannedActivation]
+    budget_bytes: int | None = None
+    baseline_saved_bytes: int = 0
+    resident_peak_bytes: int = 0
+    est_overhead_ms: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    timeline: dict[str, Any] | None = None  # from the memory simulator, for reports
+
+    @property
+    def kept_bytes(self) -> int:
+        return _bytes_per_storage(self.activations, "keep")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return _bytes_per_storage(self.activations, "offload")
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return _bytes_per_storage(self.activations, "recompute")
+
+    @property
+    def recomputed_flops(self) -> float:
+        return sum(r.flops for r in self.activations if r.decision.kind == "recompute")
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the offloaded tensors of one step occupy."""
+        return self.offloaded_bytes
+
+    def decision_of(self, name: str) -> Decision:
+        for r in self.activations:
+            if r.name == name:
+                return r.decision
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "budget_bytes": self.budget_bytes,
+            "baseline_saved_bytes": self.baseline_saved_bytes,
+            "resident_peak_bytes": self.resident_peak_bytes,
+            "kept_bytes": self.kept_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "recomputed_bytes": self.recomputed_bytes,
+            "recomputed_flops": self.recomputed_flops,
+            "host_bytes": self.host_bytes,
+            "est_overhead_ms": self.est_overhead_ms,
+            "options": dict(self.options),
+            "notes": list(self.notes),
+            "activations": [a.to_dict() for a in self.activations],
+            "timeline": self.timeline,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Plan:
+        return Plan(
+            name=d["name"],
+            activations=[PlannedActivation.from_dict(a) for a in d["activations"]],
+            budget_bytes=d.get("budget_bytes"),
+            baseline_saved_bytes=int(d.get("baseline_saved_bytes", 0)),
+            resident_peak_bytes=int(d.get("resident_peak_bytes", 0)),
+            est_overhead_ms=float(d.get("est_overhead_ms", 0.0)),
+            options=dict(d.get("options", {})),
+            notes=list(d.get("notes", [])),
+            timeline=d.get("timeline"),
+        )
+
+    def summary(self) -> str:
+        """One line a user can read in a log."""
+
+        def mib(n: int) -> str:
+            return f"{n / 2**20:.2f} MiB"
+
+        budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
+        return (
+            f"{self.name}: baseline saved {mib(self.baseline_saved_bytes)}, "
+            f"resident peak {mib(self.resident_peak_bytes)} (budget {budget}); "
+            f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}, "
+            f"recomputed {mib(self.recomputed_bytes)}"
+        )

@@ -1,0 +1,1 @@
+"""Display plans: table, JSON and HTML."""
