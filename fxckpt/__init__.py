@@ -1,0 +1,64 @@
+"""fxckpt: a torch.compile backend that gives training its memory back.
+
+``torch.compile(model, backend="fxckpt", options={"memory_budget": "12GiB",
+"segment_stride": 2})`` decides, for each activation saved for the backward, whether to keep
+it, recompute it or offload it to host memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__version__ = "0.1.0"
+
+from fxckpt import _torch_compat
+from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
+from fxckpt.options import Options
+
+# Binding the function after the submodule loads makes ``fxckpt.backend`` the factory, not the
+# module ``fxckpt/backend.py`` (the import system sets that attribute only on first load).
+from fxckpt.backend import backend  # noqa: E402
+from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
+from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
+from fxckpt.runtime import stats as _stats
+
+_torch_compat.register_logging()
+
+
+def last_plans() -> list[Plan]:
+    """The plans of every graph compiled or run since the last :func:`reset_stats`.
+
+    Graphs loaded from a warm compile cache report their plan the first time they run,
+    because the plan travels inside the compiled forward.
+    """
+    return [Plan.from_dict(json.loads(p)) for p in _stats.plan_payloads() if p]
+
+
+def stats() -> dict[str, Any]:
+    """Runtime counters: bytes moved, stalls, pool size, resident saved bytes."""
+    return _stats.snapshot()
+
+
+def reset_stats() -> None:
+    """Zero the counters and forget recorded plans."""
+    _stats.reset()
+
+
+__all__ = [
+    "BudgetError",
+    "FxckptError",
+    "Keep",
+    "Offload",
+    "Options",
+    "OptionsError",
+    "Plan",
+    "PlannedActivation",
+    "Recompute",
+    "RuntimeCopyError",
+    "__version__",
+    "backend",
+    "last_plans",
+    "reset_stats",
+    "stats",
+]

@@ -1,0 +1,102 @@
+"""Every torch internal fxckpt touches, in one place.
+
+fxckpt supports torch 2.11 up to (not including) 2.16. The names below moved before 2.11 and
+may move again; when they do, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+MIN_TORCH = (2, 11)
+MAX_TORCH_EXCLUSIVE = (2, 16)
+
+if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
+    raise ImportError(
+        f"fxckpt supports torch >=2.11,<2.16; found torch {torch.__version__}. "
+        "Install a supported torch, for example `pip install torch==2.13.0`."
+    )
+
+# Partitioning.
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
+from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+
+# Graph hygiene.
+from torch.fx.node import has_side_effect  # noqa: E402
+
+# Offload policies users can return from a selective-checkpoint policy. torch defines them
+# but no torch partitioner reads them (they act as a plain save); fxckpt gives them meaning.
+OFFLOAD_POLICIES = frozenset(
+    {CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD}
+)
+RECOMPUTE_POLICIES = frozenset(
+    {CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE}
+)
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's entry point, imported late because it pulls in all of Inductor."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, **kwargs)
+
+
+def register_logging() -> None:
+    """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
+    from torch._logging import _internal
+
+    registry = _internal.log_registry
+    if not registry.is_log("fxckpt"):
+        _internal.register_log("fxckpt", "fxckpt")
+    if not registry.is_artifact("fxckpt_plan"):
+        _internal.register_artifact(
+            "fxckpt_plan", "fxckpt's keep/recompute/offload plan for each compiled graph"
+        )
+
+
+def trace_plan_artifact(name: str, payload: str) -> None:
+    """Emit a plan as a structured-trace artifact, so tlparse shows it beside the graphs."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"fxckpt_plan_{name}", "encoding": "json"},
+        payload_fn=lambda: payload,
+    )
+
+
+
+__all__ = [
+    "CheckpointPolicy",
+    "CustomPartitionerFn",
+    "OFFLOAD_POLICIES",
+    "RECOMPUTE_POLICIES",
+    "TORCH_VERSION",
+    "aot_autograd",
+    "compile_fx",
+    "has_side_effect",
+    "make_boxed_func",
+    "min_cut_rematerialization_partition",
+    "register_logging",
+    "trace_plan_artifact",
+]
+
+
+def size_hint(value: Any, fallback: int) -> int:
+    """An int for a possibly symbolic size, without installing a guard."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    for name in ("optimization_hint", "hint_int"):  # 2.13 name, then the 2.11 one
+        fn = getattr(ss, name, None)
+        if fn is not None:
+            return int(fn(value, fallback=fallback))
+    hint = value.node.hint
+    return int(hint) if hint is not None else fallback

@@ -1,0 +1,175 @@
+"""The torch.compile backend: ``torch.compile(model, backend="fxckpt", options={...})``."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxckpt import _torch_compat as compat
+from fxckpt.errors import OptionsError
+from fxckpt.options import Options, options_from_env
+from fxckpt.planning.plan import Plan
+
+log = logging.getLogger(__name__)
+
+_graph_counter = itertools.count()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """A hash of fxckpt's own source, so a changed planner never reuses a stale cache entry."""
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _graph_name() -> str:
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    serial = next(_graph_counter)
+    if compile_id is None:
+        return f"graph_{serial}"
+    return f"{compile_id}".strip("[]") + f"#{serial}"
+
+
+def record_plan(plan: Plan) -> str:
+    """Register a plan for :func:`fxckpt.last_plans`; returns its JSON payload."""
+    from fxckpt.runtime import stats
+
+    payload = json.dumps(plan.to_dict(), sort_keys=True)
+    stats.add_plan_payload(payload)
+    return payload
+
+
+class FxckptPartitioner(compat.CustomPartitionerFn):
+    """The partitioner Inductor (or aot_autograd) calls with each joint graph.
+
+    It lives at module level and holds only an :class:`Options`, because Inductor pickles it
+    into the FX-graph-cache key.
+    """
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from fxckpt.passes.partition import partition
+
+        kwargs.pop("compiler", None)
+        num_fwd_outputs = kwargs.pop("num_fwd_outputs")
+        return partition(
+            gm,
+            joint_inputs,
+            self.options,
+            graph_name=_graph_name(),
+            num_fwd_outputs=num_fwd_outputs,
+            record=record_plan,
+            **kwargs,
+        )
+
+    def uuid(self) -> str:
+        from fxckpt import __version__
+
+        return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self.options.cache_key()}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FxckptPartitioner) and self.options == other.options
+
+    def __hash__(self) -> int:
+        return hash(self.options.cache_key())
+
+
+def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
+    return compat.make_boxed_func(gm.forward)
+
+
+def compile_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options, mode: str | None = None
+) -> Any:
+    """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator."""
+    partitioner = FxckptPartitioner(options)
+    if options.compiler == "eager":
+        if mode not in (None, "default"):
+            raise OptionsError(
+                "mode", mode, "no mode with compiler='eager' (modes configure Inductor)"
+            )
+        return compat.aot_autograd(
+            fw_compiler=_boxed_nop,
+            bw_compiler=_boxed_nop,
+            inference_compiler=_boxed_nop,
+            partition_fn=partitioner,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+    patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    return compat.compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def fxckpt_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | Options | None = None,
+    mode: str | None = None,
+) -> Any:
+    """The ``torch_dynamo_backends`` entry point behind ``backend="fxckpt"``.
+
+    Options come from ``torch.compile(..., options={...})``; where that is not possible (the
+    Hugging Face Trainer), from a JSON object in ``FXCKPT_OPTIONS``, read here and only here.
+    Explicit options win over the environment.
+    """
+    if isinstance(options, Options):
+        opts = options
+    else:
+        merged = {**options_from_env(), **dict(options or {})}
+        opts = Options.from_mapping(merged)
+    return compile_graph(gm, example_inputs, opts, mode)
+
+
+class Backend:
+    """A validated fxckpt backend, as returned by :func:`fxckpt.backend`."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> Any:
+        if kw.get("options"):
+            raise OptionsError(
+                "options",
+                kw["options"],
+                "options passed to fxckpt.backend(...), not to torch.compile as well",
+            )
+        return compile_graph(gm, example_inputs, self.options, kw.get("mode"))
+
+    def __repr__(self) -> str:
+        return f"fxckpt.backend({self.options!r})"
+
+
+def backend(**kwargs: Any) -> Backend:
+    """``torch.compile(model, backend=fxckpt.backend(memory_budget="12GiB"))``.
+
+    The options are validated here, before anything is compiled.
+    """
+    return Backend(Options.from_mapping(kwargs))
+
+
+def reset_caches() -> None:
+    """Forget compiled graphs, so the next call compiles anew (for tests and benchmarks)."""
+    torch._dynamo.reset()

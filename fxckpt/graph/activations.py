@@ -1,0 +1,152 @@
+"""The tensors a partitioned forward saves for its backward, one record each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxckpt._torch_compat import size_hint
+from fxckpt.graph.blocks import BlockFacts, node_module
+
+
+def concrete(value: Any, fallback: int = 4096) -> int:
+    """An int for a size that may be symbolic: its hint, or ``fallback`` without one."""
+    return size_hint(value, fallback)
+
+
+def tensor_val(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def storage_bytes(val: torch.Tensor) -> int:
+    """Bytes of the whole storage behind ``val`` (a view counts its base)."""
+    try:
+        return concrete(val.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        numel = 1
+        for s in val.shape:
+            numel *= concrete(s)
+        return numel * val.element_size()
+
+
+def storage_key(val: torch.Tensor) -> int | None:
+    try:
+        return StorageWeakRef(val.untyped_storage()).cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The forward's saved tensor outputs, in order (saved SymInts are left out)."""
+    out = fw.graph.find_nodes(op="output")[0]
+    values = out.args[0]
+    return [
+        v
+        for v in values[num_fwd_outputs:]
+        if isinstance(v, fx.Node) and tensor_val(v) is not None
+    ]
+
+
+def _is_input_storage(node: fx.Node, inputs: set[int]) -> bool:
+    val = tensor_val(node)
+    key = storage_key(val) if val is not None else None
+    return key is not None and key in inputs
+
+
+@dataclass(frozen=True)
+class SavedActivation:
+    """One saved tensor of a partitioned graph and the facts the planner needs about it."""
+
+    name: str
+    op: str
+    module: str
+    block: int | None
+    shape: tuple[Any, ...]
+    dtype: str
+    bytes: int  # of its storage; tensors sharing a storage share ``storage``
+    storage: str  # name of the first saved node on the same storage
+    produced: int  # position of its producer in the forward
+    last_fw_use: int  # position of its last forward use (== produced if none)
+    first_bw_use: int  # position, in the backward, of its first use (-1 if none)
+    last_bw_use: int  # position, in the backward, of its last use (-1 if none)
+    is_view: bool
+    contiguous: bool
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def saved_activations(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    blocks: BlockFacts,
+) -> list[SavedActivation]:
+    """Every saved tensor of ``fw`` that is an activation.
+
+    Graph inputs (parameters, buffers, user inputs) and views of them are not activations:
+    they stay alive whatever the plan says, so they are left out.
+    """
+    fw_nodes = list(fw.graph.nodes)
+    position = {n: i for i, n in enumerate(fw_nodes)}
+    input_storages = {
+        k
+        for n in fw_nodes
+        if n.op == "placeholder"
+        and (v := tensor_val(n)) is not None
+        and (k := storage_key(v)) is not None
+    }
+    bw_nodes = list(bw.graph.nodes)
+    bw_position = {n: i for i, n in enumerate(bw_nodes)}
+    bw_by_name = {n.name: n for n in bw_nodes if n.op == "placeholder"}
+
+    result: list[SavedActivation] = []
+    storage_owner: dict[int, str] = {}
+    for node in saved_nodes(fw, num_fwd_outputs):
+        if node.op == "placeholder" or _is_input_storage(node, input_storages):
+            continue
+        val = tensor_val(node)
+        assert val is not None
+        key = storage_key(val)
+        owner = storage_owner.setdefault(key, node.name) if key is not None else node.name
+        fw_uses = [position[u] for u in node.users if u.op != "output"]
+        bw_node = bw_by_name.get(node.name)
+        bw_uses = sorted(bw_position[u] for u in bw_node.users) if bw_node is not None else []
+        target = node.target
+        is_view = isinstance(target, torch._ops.OpOverload) and target.is_view
+        result.append(
+            SavedActivation(
+                name=node.name,
+                op=op_name(node),
+                module=node_module(node),
+                block=blocks.index_of.get(node.name),
+                shape=tuple(val.shape),
+                dtype=str(val.dtype).removeprefix("torch."),
+                bytes=storage_bytes(val),
+                storage=owner,
+                produced=position[node],
+                last_fw_use=max(fw_uses, default=position[node]),
+                first_bw_use=bw_uses[0] if bw_uses else -1,
+                last_bw_use=bw_uses[-1] if bw_uses else -1,
+                is_view=is_view,
+                contiguous=bool(val.is_contiguous()),
+            )
+        )
+    return result
+
+
+def bytes_per_storage(acts: list[SavedActivation]) -> int:
+    """Total bytes of ``acts``, each storage counted once."""
+    seen: dict[str, int] = {}
+    for a in acts:
+        seen.setdefault(a.storage, a.bytes)
+    return sum(seen.values())
