@@ -1,0 +1,328 @@
+"""``Options``: every fxckpt knob, parsed and validated once at the backend's entry.
+
+The backend builds one :class:`Options` and passes it down; no pass reads globals. Importing
+this module does not import torch (:meth:`Options.resolve_budget` imports it lazily).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import numbers
+import os
+import re
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from fxckpt.errors import OptionsError
+
+if TYPE_CHECKING:
+    import torch
+
+# memory_budget="auto" leaves headroom for what the saved-activation budget does not cover:
+# allocator fragmentation and rounding, Inductor workspaces, cuBLAS/cuDNN workspaces and the
+# gradients that appear during the backward. 10 % of the free memory scales with the device;
+# the 512 MiB floor covers the fixed-size part (CUDA context growth, library handles).
+AUTO_MARGIN = 0.10
+AUTO_MARGIN_BYTES = 512 * 2**20
+
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
+# The exponent is bounded so that "1e999999999" cannot make Fraction build a huge integer.
+_QUANTITY = re.compile(r"([+-]?)(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d{1,2}))?\s*([A-Za-z]*)")
+_BUDGET_ACCEPTED = (
+    'None, a positive int number of bytes, a string such as "12GiB" or "800MB", '
+    'a float fraction in (0, 1], or "auto"'
+)
+_BYTES_ACCEPTED = 'an int number of bytes or a string such as "12GiB", "800MB"'
+_AUTO_FALLBACK = "an explicit budget in bytes or a fraction"
+_MAX_COPY_STREAMS = 32  # the CUDA stream pool holds 32 streams per priority
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "offload": ("auto", "never", "all"),
+    "prefetch": ("auto", "jit"),
+    "cost_model": ("flops", "profile", "unit"),
+    "compiler": ("inductor", "eager"),
+    "on_infeasible": ("raise", "warn"),
+}
+
+
+def _quantity(text: str) -> tuple[Fraction, str]:
+    """Parse ``"1.5 GiB"`` into (exact number of bytes, unit as written); ValueError says why."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("not a number of bytes")
+    sign, digits, exponent, unit = match.groups()
+    if unit.lower() not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r}; use one of {_UNIT_NAMES}")
+    number = Fraction(digits) * Fraction(10) ** int(exponent or 0)
+    if sign == "-" and number != 0:
+        raise ValueError("negative")
+    return number * _UNITS[unit.lower()], unit
+
+
+def parse_bytes(value: Any, option: str, *, allow_none: bool = False) -> int | None:
+    """Return ``value`` as a whole number of bytes, or raise :class:`OptionsError` naming ``option``.
+
+    Accepts non-negative ints, integral floats such as ``1e9``, and strings such as ``"12GiB"``,
+    ``"800MB"``, ``"12 GB"``, ``"1024"``. A fractional count of a larger unit rounds down to whole
+    bytes (``"1.3GiB"``); a fractional count of plain bytes is an error. ``None`` is accepted only
+    with ``allow_none``.
+    """
+    accepted = ("None or " if allow_none else "") + _BYTES_ACCEPTED
+    if value is None:
+        if allow_none:
+            return None
+        raise OptionsError(option, value, accepted)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float, str)):
+        raise OptionsError(option, value, accepted, f"a {type(value).__name__} is not accepted")
+    if isinstance(value, numbers.Integral):
+        if value < 0:
+            raise OptionsError(option, value, accepted, "negative")
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or not value.is_integer():
+            raise OptionsError(option, value, accepted, "not a whole, non-negative number")
+        return int(value)
+    try:
+        number, unit = _quantity(value)
+    except ValueError as e:
+        raise OptionsError(option, value, accepted, str(e)) from None
+    if unit.lower() in ("", "b") and number.denominator != 1:
+        raise OptionsError(option, value, accepted, "not a whole number of bytes")
+    return math.floor(number)
+
+
+def parse_bandwidth(value: Any, option: str) -> float | None:
+    """Return a positive bandwidth in bytes per second, or ``None`` (measure it or use a table).
+
+    Accepts positive numbers and strings such as ``"25GB/s"``, ``"12 GiB/s"`` or ``"25GB"``.
+    """
+    accepted = 'None, a positive number of bytes per second, or a string such as "25GB/s"'
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float, str)):
+        raise OptionsError(option, value, accepted, f"a {type(value).__name__} is not accepted")
+    try:
+        if isinstance(value, str):
+            rate = float(_quantity(re.sub(r"\s*/\s*s$", "", value, flags=re.IGNORECASE))[0])
+        else:
+            rate = float(value)
+    except ValueError as e:
+        raise OptionsError(option, value, accepted, str(e)) from None
+    except OverflowError:
+        rate = math.inf  # rejected just below, with the rest of the non-finite rates
+    if not math.isfinite(rate) or rate <= 0:
+        raise OptionsError(option, value, accepted, "must be positive and finite")
+    return rate
+
+
+def _parse_int(value: Any, option: str, low: int, high: int | None = None) -> int:
+    accepted = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionsError(option, value, accepted, f"a {type(value).__name__} is not an int")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        raise OptionsError(option, value, accepted, "out of range")
+    return number
+
+
+def _parse_choice(value: Any, option: str, choices: tuple[str, ...]) -> str:
+    accepted = "one of " + ", ".join(repr(c) for c in choices)
+    if isinstance(value, str) and value in choices:
+        return value
+    near = difflib.get_close_matches(str(value).lower(), choices, n=1)
+    raise OptionsError(option, value, accepted, f"did you mean {near[0]!r}?" if near else "")
+
+
+def _parse_budget(value: Any) -> int | float | str | None:
+    option, accepted = "memory_budget", _BUDGET_ACCEPTED
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value <= 0:
+            raise OptionsError(option, value, accepted, "a float is a fraction in (0, 1]")
+        if value > 1:
+            detail = "a float is a fraction in (0, 1]; for bytes write an int or a string like "
+            detail += "'12GiB'"
+            raise OptionsError(option, value, accepted, detail)
+        return value
+    try:
+        budget = parse_bytes(value, option)
+    except OptionsError as e:
+        raise OptionsError(option, value, accepted, e.detail) from None
+    if budget == 0:
+        raise OptionsError(option, value, accepted, "a zero budget; use None for no limit")
+    return budget
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """Every fxckpt option, validated and normalised on construction (see DESIGN.md §1).
+
+    After ``__post_init__``: ``memory_budget`` is ``None``, a positive int of bytes, a float in
+    (0, 1] or ``"auto"``; ``segment_width`` is an int ≤ ``segment_stride``; byte options are
+    ints; ``bandwidth`` is a float or ``None``. ``dataclasses.replace`` re-validates, but a
+    defaulted ``segment_width`` has already been set to the old stride.
+    """
+
+    memory_budget: int | float | str | None = None
+    segment_stride: int = 0
+    segment_width: int | None = None
+    offload: str = "auto"
+    min_offload_bytes: int = 2**20
+    prefetch: str = "auto"
+    copy_streams: int = 1
+    pinned_pool_bytes: int | None = None
+    bandwidth: float | None = None
+    cost_model: str = "flops"
+    compiler: str = "inductor"
+    on_infeasible: str = "raise"
+    blocks: str | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)  # the dataclass is frozen
+
+        put("memory_budget", _parse_budget(self.memory_budget))
+        stride = _parse_int(self.segment_stride, "segment_stride", 0)
+        put("segment_stride", stride)
+        width = stride if self.segment_width is None else self.segment_width
+        width = _parse_int(width, "segment_width", 0)
+        if width > stride:
+            accepted = f"None or an int from 0 to segment_stride ({stride})"
+            detail = f"segment_width must not exceed segment_stride={stride}"
+            raise OptionsError("segment_width", width, accepted, detail)
+        put("segment_width", width)
+        put("min_offload_bytes", parse_bytes(self.min_offload_bytes, "min_offload_bytes"))
+        put("copy_streams", _parse_int(self.copy_streams, "copy_streams", 1, _MAX_COPY_STREAMS))
+        pool = parse_bytes(self.pinned_pool_bytes, "pinned_pool_bytes", allow_none=True)
+        put("pinned_pool_bytes", pool)
+        put("bandwidth", parse_bandwidth(self.bandwidth, "bandwidth"))
+        for name, choices in _CHOICES.items():
+            put(name, _parse_choice(getattr(self, name), name, choices))
+        _check_blocks(self.blocks)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | Options | None) -> Options:
+        """Build Options from ``torch.compile(options=...)``; an Options instance is returned as is.
+
+        An unknown key raises :class:`OptionsError` that suggests the nearest valid name.
+        """
+        if mapping is None:
+            return cls()
+        if isinstance(mapping, Options):
+            return mapping
+        if not isinstance(mapping, Mapping):
+            raise OptionsError("options", mapping, "a mapping of option names to values")
+        for key, value in mapping.items():
+            if key not in OPTION_NAMES:
+                near = difflib.get_close_matches(str(key), OPTION_NAMES, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                detail = f"unknown option {key!r}{hint}"
+                raise OptionsError(str(key), value, "one of " + ", ".join(OPTION_NAMES), detail)
+        return cls(**mapping)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every option by name; the values are JSON-friendly (None, int, float, str)."""
+        return dataclasses.asdict(self)
+
+    def cache_key(self) -> str:
+        """A stable sha256 hex digest of the options, for compile-cache keys."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def resolve_budget(
+        self, baseline_saved_bytes: int, *, device: torch.device | str | None = None
+    ) -> int | None:
+        """Return the budget in bytes for one graph, or ``None`` when there is no limit.
+
+        ``baseline_saved_bytes`` is what plain min-cut saves; a float budget is a fraction of it.
+        ``"auto"`` is the memory free on ``device`` now (``None`` means the host), less
+        ``AUTO_MARGIN`` of it and ``AUTO_MARGIN_BYTES``, and never below 0.
+        """
+        budget = self.memory_budget
+        if budget is None or isinstance(budget, int):
+            return budget
+        if isinstance(budget, float):
+            if baseline_saved_bytes < 0:
+                raise ValueError(f"baseline_saved_bytes must be >= 0, got {baseline_saved_bytes}")
+            return int(budget * baseline_saved_bytes)
+        free = _free_bytes(device)
+        return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
+
+
+def _check_blocks(blocks: Any) -> None:
+    accepted = "None or a regular expression over module paths, such as r'layers\\.\\d+$'"
+    if blocks is None:
+        return
+    if not isinstance(blocks, str):
+        raise OptionsError("blocks", blocks, accepted, f"a {type(blocks).__name__} is not a regex")
+    if not blocks:
+        raise OptionsError("blocks", blocks, accepted, "an empty regex matches every module")
+    try:
+        re.compile(blocks)
+    except re.error as e:
+        raise OptionsError("blocks", blocks, accepted, f"invalid regex: {e}") from None
+
+
+def _free_bytes(device: torch.device | str | None) -> int:
+    """Bytes free on ``device`` now: the accelerator's free memory, or the host's available RAM."""
+    import torch  # lazily: importing fxckpt must not import torch's CUDA state
+
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cpu":
+        return _host_available_bytes()
+    backend = getattr(torch, dev.type, None)
+    mem_get_info = getattr(backend, "mem_get_info", None)  # torch.cuda, torch.xpu
+    if mem_get_info is None:
+        detail = f"cannot measure free memory on device {str(dev)!r}"
+        raise OptionsError("memory_budget", "auto", _AUTO_FALLBACK, detail)
+    return int(mem_get_info(dev)[0])
+
+
+def _host_available_bytes() -> int:
+    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (the fallback) does not,
+    # so it underestimates, which errs on the safe side.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the value is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        detail = "cannot read the host's available memory"
+        raise OptionsError("memory_budget", "auto", _AUTO_FALLBACK, detail) from None
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def options_from_env(env_var: str = "FXCKPT_OPTIONS") -> dict[str, Any]:
+    """Return the JSON object in ``env_var``, or ``{}`` when it is unset or empty.
+
+    For callers such as the HF Trainer, which cannot pass ``options=``. The keys and values are
+    validated later by :meth:`Options.from_mapping`.
+    """
+    text = os.environ.get(env_var, "")
+    if not text.strip():
+        return {}
+    accepted = 'a JSON object such as {"memory_budget": "12GiB", "segment_stride": 2}'
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionsError(env_var, text, accepted, f"invalid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        detail = f"a JSON {type(parsed).__name__}, not an object"
+        raise OptionsError(env_var, text, accepted, detail)
+    return parsed

@@ -1,0 +1,364 @@
+"""Options: parsing, validation, normalisation, budget resolution and the environment hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fxckpt import options as options_module
+from fxckpt.errors import OptionsError
+from fxckpt.options import (
+    AUTO_MARGIN,
+    AUTO_MARGIN_BYTES,
+    OPTION_NAMES,
+    Options,
+    options_from_env,
+    parse_bandwidth,
+    parse_bytes,
+)
+
+GiB = 2**30
+MiB = 2**20
+NAN = float("nan")
+INF = float("inf")
+
+# (extra valid options, the option that is wrong, its bad value). Every option appears, with
+# each kind of mistake that applies to it.
+BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
+    *(({}, "memory_budget", v) for v in [
+        True, False, 0, -1, 0.0, -0.5, NAN, INF, -INF, 1.5, 1e9, "0", "0B", "-5GB",
+        "12 GiBs", "12 XB", "12G", "lots", "", "Auto", "1.5B", "1e999", [1], {"a": 1}, b"12GiB",
+    ]),
+    *(({}, "segment_stride", v) for v in [-1, 2.0, True, False, "2", None, NAN]),
+    *(({}, "segment_width", v) for v in [-1, 1.5, True, "1", NAN]),
+    ({"segment_stride": 2}, "segment_width", 3),  # width > stride
+    ({"segment_stride": 0}, "segment_width", 1),  # width > stride when segmenting is off
+    *(({}, "offload", v) for v in ["sometimes", "Never", "", None, 1, True]),
+    *(({}, "min_offload_bytes", v) for v in [
+        -1, None, True, 1.5, NAN, INF, -1.0, "12 GiBs", "12 XB", "1MB/s", "big", "1.5B", [],
+    ]),
+    *(({}, "prefetch", v) for v in ["early", "JIT", None, 0]),
+    *(({}, "copy_streams", v) for v in [0, -1, 33, True, 1.0, "2", None, NAN]),
+    *(({}, "pinned_pool_bytes", v) for v in [-1, True, NAN, INF, 0.5, "12 XB", "12 GiBs", []]),
+    *(({}, "bandwidth", v) for v in [
+        0, 0.0, -1, -1e9, NAN, INF, True, False, "fast", "25GB/h", "0GB/s", "-1GB/s",
+        "25 XB/s", [], 10**400,
+    ]),
+    *(({}, "cost_model", v) for v in ["time", "FLOPS", None, 1]),
+    *(({}, "compiler", v) for v in ["aot_eager", "Inductor", None, False]),
+    *(({}, "on_infeasible", v) for v in ["ignore", "Raise", None, False]),
+    *(({}, "blocks", v) for v in ["(", "layers[", "*", "", 3, b"layers", ["layers"]]),
+    # Unknown keys: the error names the key and the value it was given.
+    ({}, "memory_budjet", "12GiB"),
+    ({}, "segment_strid", 2),
+    ({}, "Offload", "all"),
+    ({}, "no_such_option", None),
+]  # fmt: skip
+
+
+def _case_id(case: tuple[dict[str, Any], str, Any]) -> str:
+    extra, name, value = case
+    prefix = ",".join(f"{k}={v!r}" for k, v in extra.items())
+    return f"{prefix + ',' if prefix else ''}{name}={value!r}"[:60]
+
+
+def test_every_option_has_a_bad_case() -> None:
+    covered = {name for _, name, _ in BAD_CASES}
+    assert set(OPTION_NAMES) <= covered, set(OPTION_NAMES) - covered
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[_case_id(c) for c in BAD_CASES])
+def test_bad_value_names_option_and_value(case: tuple[dict[str, Any], str, Any]) -> None:
+    extra, name, value = case
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping({**extra, name: value})
+    message = str(info.value)
+    assert info.value.option == name
+    assert repr(name) in message
+    assert repr(value) in message
+    assert info.value.accepted and info.value.accepted in message
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_CASES if c[1] in OPTION_NAMES], ids=_case_id)
+def test_bad_value_raises_from_constructor_too(case: tuple[dict[str, Any], str, Any]) -> None:
+    extra, name, value = case
+    with pytest.raises(OptionsError) as info:
+        Options(**{**extra, name: value})
+    assert info.value.option == name
+
+
+def test_options_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="segment_stride"):
+        Options(segment_stride=-1)
+
+
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [("memory_budjet", "memory_budget"), ("segment_strid", "segment_stride"),
+     ("Offload", "offload"), ("copystreams", "copy_streams"), ("block", "blocks")],
+)  # fmt: skip
+def test_unknown_key_suggests_nearest(key: str, suggestion: str) -> None:
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping({key: 1})
+    message = str(info.value)
+    assert f"unknown option {key!r}; did you mean {suggestion!r}?" in message
+    assert all(name in message for name in OPTION_NAMES)  # lists the valid options
+
+
+def test_unknown_key_without_near_name_has_no_suggestion() -> None:
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping({"zzzzzz": 1})
+    assert "did you mean" not in str(info.value)
+    assert "unknown option 'zzzzzz'" in str(info.value)
+
+
+def test_width_above_stride_names_the_stride() -> None:
+    with pytest.raises(OptionsError) as info:
+        Options(segment_stride=2, segment_width=3)
+    assert info.value.option == "segment_width"
+    assert "segment_stride=2" in str(info.value)
+
+
+def test_float_budget_above_one_explains_fractions() -> None:
+    with pytest.raises(OptionsError, match=r"a float is a fraction in \(0, 1\]; for bytes write"):
+        Options(memory_budget=12e9)
+
+
+def test_enum_typo_suggests_choice() -> None:
+    with pytest.raises(OptionsError, match="did you mean 'never'"):
+        Options(offload="Never")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("12GiB", 12 * GiB), ("800MB", 800_000_000), ("12 GB", 12_000_000_000),
+        ("1.5GiB", 3 * GiB // 2), ("1024", 1024), ("64KiB", 64 * 1024), ("0", 0),
+        ("12gib", 12 * GiB), ("12gb", 12_000_000_000), ("5b", 5), ("5B", 5), ("2TiB", 2 * 2**40),
+        ("3TB", 3 * 10**12), ("7KB", 7000), ("1MiB", MiB), ("  12 GiB  ", 12 * GiB),
+        ("1e9", 10**9), ("0.5KB", 500), ("1.3GiB", math.floor(1.3 * GiB)), (".5MiB", MiB // 2),
+        (1e9, 10**9), (0, 0), (12 * GiB, 12 * GiB), (0.0, 0),
+    ],
+)  # fmt: skip
+def test_parse_bytes_exact(text: Any, expected: int) -> None:
+    result = parse_bytes(text, "x")
+    assert result == expected
+    assert type(result) is int
+
+
+@pytest.mark.parametrize(
+    "value", ["12 GiBs", "12 XB", "1.5B", "1.5", "-1", "GiB", "", "1e", "1 2", -1, 1.5, NAN, True]
+)
+def test_parse_bytes_rejects(value: Any) -> None:
+    with pytest.raises(OptionsError) as info:
+        parse_bytes(value, "some_option")
+    assert info.value.option == "some_option"
+    assert repr(value) in str(info.value)
+    assert '"12GiB"' in str(info.value)  # shows the accepted forms
+
+
+def test_parse_bytes_none() -> None:
+    assert parse_bytes(None, "x", allow_none=True) is None
+    with pytest.raises(OptionsError):
+        parse_bytes(None, "x")
+
+
+@given(st.integers(min_value=0, max_value=2**80))
+def test_parse_bytes_round_trips_ints(n: int) -> None:
+    assert parse_bytes(f"{n}B", "x") == n
+    assert parse_bytes(n, "x") == n
+    assert parse_bytes(f"{n} KiB", "x") == n * 1024
+    assert parse_bytes(f"{n}kb", "x") == n * 1000
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("25GB/s", 25e9), ("12 GiB/s", 12.0 * GiB), ("25GB", 25e9), ("1 MB / S", 1e6),
+     (1e9, 1e9), (3, 3.0), (None, None)],
+)  # fmt: skip
+def test_parse_bandwidth(value: Any, expected: float | None) -> None:
+    assert parse_bandwidth(value, "bandwidth") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ("auto", "auto"), (0.5, 0.5), (1.0, 1.0), (1, 1), (4096, 4096),
+     ("12GiB", 12 * GiB), ("800MB", 800_000_000), (1e-3, 1e-3)],
+)  # fmt: skip
+def test_memory_budget_normalised(value: Any, expected: Any) -> None:
+    budget = Options(memory_budget=value).memory_budget
+    assert budget == expected
+    assert type(budget) is type(expected)
+
+
+def test_defaults() -> None:
+    o = Options()
+    assert o.to_dict() == {
+        "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
+        "min_offload_bytes": MiB, "prefetch": "auto", "copy_streams": 1,
+        "pinned_pool_bytes": None, "bandwidth": None, "cost_model": "flops",
+        "compiler": "inductor", "on_infeasible": "raise", "blocks": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("stride", "width", "expected"), [(2, None, 2), (3, 1, 1), (4, 0, 0)])
+def test_segment_width_defaults_to_stride(stride: int, width: int | None, expected: int) -> None:
+    o = Options(segment_stride=stride, segment_width=width)
+    assert (o.segment_stride, o.segment_width) == (stride, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [("offload", "never", "never"), ("offload", "all", "all"), ("prefetch", "jit", "jit"),
+     ("cost_model", "profile", "profile"), ("cost_model", "unit", "unit"),
+     ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
+     ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
+     ("min_offload_bytes", 0, 0), ("pinned_pool_bytes", "8GiB", 8 * GiB),
+     ("bandwidth", "25GB/s", 25e9), ("blocks", r"layers\.\d+$", r"layers\.\d+$")],
+)  # fmt: skip
+def test_good_values(name: str, value: Any, expected: Any) -> None:
+    assert getattr(Options.from_mapping({name: value}), name) == expected
+
+
+def test_from_mapping_passthrough_and_none() -> None:
+    o = Options(segment_stride=2)
+    assert Options.from_mapping(o) is o
+    assert Options.from_mapping(None) == Options()
+    assert Options.from_mapping({}) == Options()
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping([("segment_stride", 2)])  # type: ignore[arg-type]
+    assert info.value.option == "options"
+
+
+def test_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        Options("12GiB")  # type: ignore[misc]
+
+
+def test_frozen() -> None:
+    o = Options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.memory_budget = 5  # type: ignore[misc]
+    assert o.memory_budget is None
+
+
+def test_to_dict_round_trips_through_json() -> None:
+    o = Options.from_mapping(
+        {"memory_budget": 0.5, "segment_stride": 3, "segment_width": 1, "bandwidth": "25GB/s",
+         "blocks": r"h\.\d+", "pinned_pool_bytes": "1GiB"}
+    )  # fmt: skip
+    d = json.loads(json.dumps(o.to_dict()))
+    assert Options.from_mapping(d) == o
+
+
+def test_cache_key_is_sha256_of_sorted_json() -> None:
+    o = Options(memory_budget="12GiB")
+    text = json.dumps(o.to_dict(), sort_keys=True, separators=(",", ":"))
+    assert o.cache_key() == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_cache_key_equal_for_equal_options() -> None:
+    a = Options.from_mapping({"memory_budget": "12GiB", "segment_stride": 2, "bandwidth": "25GB/s"})
+    b = Options.from_mapping(
+        {"bandwidth": 25e9, "segment_width": 2, "segment_stride": 2, "memory_budget": 12 * GiB}
+    )
+    assert a == b
+    assert a.cache_key() == b.cache_key()
+    assert hash(a) == hash(b)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"memory_budget": 1}, {"memory_budget": 1.0}, {"segment_stride": 1}, {"offload": "all"},
+     {"min_offload_bytes": 0}, {"prefetch": "jit"}, {"copy_streams": 2},
+     {"pinned_pool_bytes": 0}, {"bandwidth": 1}, {"cost_model": "unit"},
+     {"compiler": "eager"}, {"on_infeasible": "warn"}, {"blocks": "x"}],
+)  # fmt: skip
+def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
+    assert Options.from_mapping(changes).cache_key() != Options().cache_key()
+
+
+def test_cache_key_distinguishes_int_from_fraction() -> None:
+    assert Options(memory_budget=1).cache_key() != Options(memory_budget=1.0).cache_key()
+
+
+def test_option_names() -> None:
+    assert OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
+    assert len(OPTION_NAMES) == 13
+
+
+@pytest.mark.parametrize(
+    ("budget", "baseline", "expected"),
+    [(None, 100, None), (4096, 100, 4096), ("1KiB", 0, 1024), (0.5, 1000, 500),
+     (0.3, 10, 3), (1.0, 12345, 12345), (0.25, 0, 0)],
+)  # fmt: skip
+def test_resolve_budget(budget: Any, baseline: int, expected: int | None) -> None:
+    resolved = Options(memory_budget=budget).resolve_budget(baseline)
+    assert resolved == expected
+    assert resolved is None or type(resolved) is int
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs /proc/meminfo")
+def test_auto_budget_on_cpu_is_within_available_memory() -> None:
+    resolved = Options(memory_budget="auto").resolve_budget(10**12, device="cpu")
+    assert type(resolved) is int
+    assert 0 < resolved <= _mem_available()
+    assert Options(memory_budget="auto").resolve_budget(0) == pytest.approx(resolved, rel=0.2)
+
+
+@pytest.mark.parametrize("free", [0, 100 * MiB, AUTO_MARGIN_BYTES, 10 * GiB])
+def test_auto_budget_margin(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    monkeypatch.setattr(options_module, "_host_available_bytes", lambda: free)
+    expected = max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
+    assert Options(memory_budget="auto").resolve_budget(1, device="cpu") == expected
+
+
+def test_auto_budget_on_unmeasurable_device() -> None:
+    with pytest.raises(OptionsError) as info:
+        Options(memory_budget="auto").resolve_budget(1, device="meta")
+    assert info.value.option == "memory_budget"
+    assert "meta" in str(info.value)
+
+
+def test_import_does_not_initialise_cuda() -> None:
+    code = "import fxckpt.options, torch; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FXCKPT_OPTIONS", raising=False)
+    assert options_from_env() == {}
+    monkeypatch.setenv("FXCKPT_OPTIONS", "  ")
+    assert options_from_env() == {}
+    monkeypatch.setenv("FXCKPT_OPTIONS", '{"memory_budget": "12GiB", "segment_stride": 2}')
+    assert options_from_env() == {"memory_budget": "12GiB", "segment_stride": 2}
+    assert Options.from_mapping(options_from_env()).memory_budget == 12 * GiB
+    monkeypatch.setenv("MY_OPTS", '{"offload": "never"}')
+    assert options_from_env("MY_OPTS") == {"offload": "never"}
+
+
+@pytest.mark.parametrize("text", ["{memory_budget: 1}", '{"a": ', "[1, 2]", '"12GiB"', "3"])
+def test_options_from_env_rejects(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("FXCKPT_OPTIONS", text)
+    with pytest.raises(OptionsError) as info:
+        options_from_env()
+    assert info.value.option == "FXCKPT_OPTIONS"
+    assert repr(text) in str(info.value)
