@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,13 @@ def _is_random(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and (
         torch.Tag.nondeterministic_seeded in target.tags
     )
+
+
+def _random_output(node: fx.Node) -> bool:
+    """A random op, or a getitem of one (``native_dropout`` returns output and mask)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _is_random(node.args[0])
+    return _is_random(node)
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,11 @@ def tag_segments(joint: fx.GraphModule, blocks: BlockFacts, stride: int, width: 
             kept_user += 1
             continue
         if _is_random(node):
-            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+            # A multi-output random op cannot be saved itself; its getitems are saved.
             kept_random += 1
+            continue
+        if _random_output(node):
+            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
             continue
         node.meta[meta.RECOMPUTE] = CheckpointPolicy.PREFER_RECOMPUTE
         # Offset the ids so they never collide with ids of a user's own checkpoint regions.

@@ -1,0 +1,117 @@
+"""Small models the tests compile: an MLP, a tiny GPT, and Hugging Face models from configs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(depth)
+        )
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x).square().mean()
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        att = F.dropout(att, self.dropout, self.training)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads, dropout)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """A decoder of the small GPT kind; ``forward(idx, targets)`` returns the loss."""
+
+    def __init__(
+        self, vocab: int = 64, d: int = 32, heads: int = 2, n_layers: int = 4, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d, heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_inputs(vocab: int = 64, batch: int = 2, seq: int = 16, seed: int = 0) -> tuple[Any, ...]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (batch, seq), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def hf_model(arch: str, *, dropout: float = 0.0, layers: int = 2) -> tuple[nn.Module, dict[str, Any]]:
+    """A tiny Hugging Face model built from a config (no download) and its inputs."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    vocab, seq = 128, 12
+    if arch == "llama":
+        cfg = tf.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )
+        model = tf.LlamaForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        )
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        )
+        model = tf.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = "eager" if dropout else "sdpa"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    return model, {"input_ids": ids, "labels": ids}

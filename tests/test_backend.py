@@ -1,0 +1,110 @@
+"""The backend trains exactly like eager: loss, input gradients, every parameter gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxckpt
+from equality import assert_step_matches
+from models import GPT, MLP, gpt_inputs, hf_model
+
+SETTINGS = [
+    pytest.param({}, id="default"),
+    pytest.param({"segment_stride": 1}, id="stride1"),
+    pytest.param({"segment_stride": 2}, id="stride2"),
+    pytest.param({"segment_stride": 2, "segment_width": 1}, id="stride2w1"),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_mlp_matches_eager(settings: dict) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    assert_step_matches(MLP(), (x,), fxckpt.backend(compiler="eager", **settings), steps=2)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_gpt_matches_eager(settings: dict) -> None:
+    torch.manual_seed(0)
+    assert_step_matches(GPT(), gpt_inputs(), fxckpt.backend(compiler="eager", **settings), steps=2)
+
+
+def test_gpt_with_dropout_matches_aot_eager_under_the_same_seed() -> None:
+    torch.manual_seed(0)
+    model = GPT(dropout=0.1)
+    assert_step_matches(
+        model,
+        gpt_inputs(),
+        fxckpt.backend(compiler="eager", segment_stride=1),
+        reference_backend="aot_eager",
+        steps=2,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2]])
+def test_gpt_matches_eager_under_inductor(settings: dict) -> None:
+    torch.manual_seed(0)
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(**settings), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_mlp_matches_eager_under_inductor_by_string() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    assert_step_matches(MLP(depth=2), (x,), "fxckpt", atol=1e-5, rtol=1e-4)
+    assert len(fxckpt.last_plans()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_gpt_dropout_under_inductor_matches_aot_eager() -> None:
+    torch.manual_seed(0)
+    with torch._inductor.config.patch(fallback_random=True):
+        assert_step_matches(
+            GPT(n_layers=2, dropout=0.1),
+            gpt_inputs(),
+            fxckpt.backend(segment_stride=1),
+            reference_backend="aot_eager",
+            atol=1e-5,
+            rtol=1e-4,
+        )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2]])
+def test_hf_models_match_eager(arch: str, settings: dict) -> None:
+    model, inputs = hf_model(arch)
+    model.train()
+    assert_step_matches(model, inputs, fxckpt.backend(compiler="eager", **settings), atol=1e-5, rtol=1e-4)
+
+
+def test_string_backend_uses_options() -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    compiled = torch.compile(
+        model, backend="fxckpt", options={"compiler": "eager", "segment_stride": 1}
+    )
+    compiled(*gpt_inputs()).backward()
+    (plan,) = fxckpt.last_plans()
+    assert plan.options["segment_stride"] == 1
+    assert plan.recomputed_bytes > 0
+
+
+def test_plan_to_dict_has_the_documented_keys() -> None:
+    torch.manual_seed(0)
+    torch.compile(GPT(n_layers=2), backend=fxckpt.backend(compiler="eager", segment_stride=2))(
+        *gpt_inputs()
+    ).backward()
+    (plan,) = fxckpt.last_plans()
+    d = plan.to_dict()
+    for key in ("name", "budget_bytes", "baseline_saved_bytes", "resident_peak_bytes",
+                "kept_bytes", "offloaded_bytes", "recomputed_bytes", "activations"):
+        assert key in d
+    row = d["activations"][0]
+    assert set(row) >= {"name", "module", "op", "shape", "dtype", "bytes", "decision", "reason"}
+    assert fxckpt.Plan.from_dict(d).to_dict() == d
+    assert d["kept_bytes"] + d["recomputed_bytes"] >= d["baseline_saved_bytes"] > 0
