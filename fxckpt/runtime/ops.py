@@ -1,0 +1,248 @@
+"""The ``fxckpt::`` operators that compiled graphs call, registered at import.
+
+Cached compiled graphs call these without running the partitioner, so registering them must
+need nothing but this package. Registration creates no stream, thread, CUDA context or
+pinned buffer; those appear at the first real call.
+
+A handle is a 0-d int64 CPU tensor holding an id from a process-wide counter. Its lifetime is
+the transfer's lifetime: autograd keeps the saved handle until backward has run (or the graph
+is dropped), and a ``weakref.finalize`` on it then gives the host buffer back to the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from fxckpt.errors import RuntimeCopyError
+from fxckpt.runtime import stats
+from fxckpt.runtime.engine import Transfer, get_engine
+from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
+
+_records: dict[int, Transfer] = {}
+_ids = itertools.count(1)
+_ids_lock = threading.Lock()  # next() on a count is only atomic while there is a GIL
+
+
+def live_handles() -> int:
+    """How many transfers are alive (their handle tensors not yet freed)."""
+    return len(_records)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from the tensor's first element to its last reachable one (strides are >= 0)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+def _release(hid: int) -> None:
+    # Runs from weakref.finalize: possibly inside the garbage collector, on any thread. It
+    # takes no lock that ops hold (dict.pop is atomic, HostPool.release is lock-free).
+    rec = _records.pop(hid, None)
+    if rec is None:
+        return
+    pending = get_engine(rec.device).release(rec) if rec.host is not None else ()
+    rec.kept = None
+    if rec.host is not None:
+        get_pool(rec.device.type).release(rec.host, pending)
+        rec.host = None
+
+
+def _lookup(handle: torch.Tensor) -> Transfer:
+    hid = int(handle.item())
+    rec = _records.get(hid)
+    if rec is None:
+        raise RuntimeCopyError(
+            f"fxckpt: handle {hid} names no live transfer. Its handle tensor was freed (or "
+            "copied, and the original freed) before this op ran; the graph that inserted the "
+            "op must pass the handle produced by fxckpt::offload itself."
+        )
+    return rec
+
+
+@torch.library.custom_op("fxckpt::offload", mutates_args=(), schema="(Tensor src) -> Tensor")
+def offload(src: torch.Tensor) -> torch.Tensor:
+    """Start copying ``src`` to host memory; returns the handle that names the copy."""
+    if src.layout != torch.strided:
+        raise RuntimeCopyError(f"fxckpt::offload needs a strided tensor, got {src.layout}")
+    span = _span(src)
+    with _ids_lock:
+        hid = next(_ids)
+    rec = Transfer(
+        hid=hid,
+        size=tuple(src.shape),
+        stride=tuple(src.stride()),
+        dtype=src.dtype,
+        device=src.device,
+        span=span,
+        nbytes=span * src.element_size(),
+    )
+    if rec.nbytes:
+        # The whole span, from storage_offset on, as it lies in memory: one contiguous copy
+        # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
+        # tensor is the same strides over a fresh span.
+        span_t = src.as_strided((span,), (1,), src.storage_offset())
+        try:
+            host = get_pool(src.device.type).acquire(rec.nbytes)
+        except PoolExhausted as why:
+            warn_fallback(str(why))
+            stats.add("fallbacks", 1)
+            rec.kept = span_t
+        else:
+            rec.host = host
+            rec.src = src
+            try:
+                get_engine(src.device).start_offload(
+                    rec, span_t.view(torch.uint8), host[: rec.nbytes]
+                )
+            except Exception as err:
+                get_pool(src.device.type).release(host)
+                raise RuntimeCopyError(
+                    f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
+                ) from err
+            stats.record_offload(rec.nbytes)
+    # An explicit CPU device: a handle must never follow torch.set_default_device.
+    handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
+    _records[rec.hid] = rec
+    weakref.finalize(handle, _release, rec.hid).atexit = False
+    return handle
+
+
+@offload.register_fake
+def _(src: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op(
+    "fxckpt::offload_done", mutates_args=(), schema="(Tensor handle, Tensor keepalive) -> ()"
+)
+def offload_done(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
+    """Make compute wait until the handle's device-to-host copy is done.
+
+    ``keepalive`` is the source tensor: as an argument of a side-effecting op it stops
+    Inductor from reusing the source's buffer in place before the copy has read it.
+    """
+    rec = _lookup(handle)
+    if rec.host is None:
+        return
+    stalled = get_engine(rec.device).finish_offload(rec)
+    if stalled:
+        stats.add("stall_seconds", stalled)
+
+
+@offload_done.register_fake
+def _(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
+    return None
+
+
+def _prefetch(rec: Transfer) -> None:
+    if rec.host is None or rec.dev is not None:
+        return  # kept on the device, empty, or already in flight / landed
+    get_engine(rec.device).start_prefetch(rec)
+    stats.add("prefetched_bytes", rec.nbytes)
+
+
+@torch.library.custom_op("fxckpt::prefetch", mutates_args=(), schema="(Tensor handle) -> ()")
+def prefetch(handle: torch.Tensor) -> None:
+    """Allocate the device buffer and start copying the handle's bytes into it (idempotent)."""
+    _prefetch(_lookup(handle))
+
+
+@prefetch.register_fake
+def _(handle: torch.Tensor) -> None:
+    return None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+@torch.library.custom_op(
+    "fxckpt::wait",
+    mutates_args=(),
+    schema="(Tensor handle, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor",
+)
+def wait(
+    handle: torch.Tensor,
+    size: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The offloaded tensor, back on the device, with exactly ``size`` and ``stride``.
+
+    Each call yields a fresh buffer and the host copy stays until the handle dies, so a
+    backward run twice (retain_graph=True) restores twice.
+    """
+    rec = _lookup(handle)
+    size, stride = tuple(size), tuple(stride)
+    if (size, stride, dtype) != (rec.size, rec.stride, rec.dtype) or not _same_device(
+        device, rec.device
+    ):
+        raise RuntimeCopyError(
+            f"fxckpt::wait asked for {dtype}, size {list(size)}, stride {list(stride)} on "
+            f"{device}, but {rec.describe()} was offloaded"
+        )
+    if rec.host is not None:
+        _prefetch(rec)
+        span, stalled = get_engine(rec.device).finish_prefetch(rec)
+        if stalled:
+            stats.add("stall_seconds", stalled)
+    else:
+        span = torch.empty(rec.span, dtype=dtype, device=rec.device)
+        if rec.kept is not None:
+            # A copy, not the kept tensor itself: Inductor may reuse the output buffer for
+            # later kernels, which would corrupt a second backward (retain_graph=True).
+            span.copy_(rec.kept)
+    return span.as_strided(size, stride)
+
+
+@wait.register_fake
+def _(
+    handle: torch.Tensor,
+    size: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+@torch.library.custom_op(
+    "fxckpt::note_saved", mutates_args=(), schema="(Tensor[] saved, str plan) -> ()"
+)
+def note_saved(saved: Sequence[torch.Tensor], plan: str) -> None:
+    """Record the bytes a forward left resident for backward, and the plan it ran."""
+    seen: set[tuple[torch.device, int]] = set()
+    total = 0
+    for t in saved:
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    stats.set_resident_saved_bytes(total)
+    stats.add_plan_payload(plan)
+
+
+@note_saved.register_fake
+def _(saved: Sequence[torch.Tensor], plan: str) -> None:
+    return None
+
+
+OPS = (
+    torch.ops.fxckpt.offload.default,
+    torch.ops.fxckpt.offload_done.default,
+    torch.ops.fxckpt.prefetch.default,
+    torch.ops.fxckpt.wait.default,
+    torch.ops.fxckpt.note_saved.default,
+)
+# FX dead-code elimination and Inductor's scheduler both drop unused pure ops, and
+# offload_done / prefetch / note_saved have no used outputs at all (TORCH_NOTES.md).
+for _op in OPS:
+    torch.fx.node.has_side_effect(_op)

@@ -1,0 +1,208 @@
+"""Host buffers for offloaded activations: size classes, free lists, reuse after completion.
+
+One pool per device type: pinned buffers for ``cuda``, ordinary ones for ``cpu``. A buffer is
+a 1-D ``uint8`` CPU tensor whose length is a size class; callers use a prefix of it.
+
+Size classes: requests up to 4 KiB get 4 KiB. Above that, every power-of-two interval
+(2**k, 2**(k+1)] is cut into 4 equal steps of 2**(k-2), and a request rounds up to the next
+step, so at most 25% of a buffer is wasted (torch's CachingHostAllocator rounds to the next
+power of two: up to 100%). Sequence lengths that vary by a few percent then land in the same
+class and reuse the same buffers, and the steady state makes no host allocation at all.
+
+Pinned buffers come from ``torch.empty(..., pin_memory=True)``, i.e. torch's
+CachingHostAllocator, which rounds each of *our* buffers up to a power of two once more
+(HOST_MEMORY_NOTES.md §1). The waste is paid once per buffer, not per step, because the pool
+keeps its buffers for the life of the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fxckpt.runtime import stats
+
+MIN_CLASS_BYTES = 4096
+SUBCLASSES_PER_OCTAVE = 4
+
+Completion = Callable[[], bool]
+
+
+class PoolExhausted(Exception):
+    """Internal: the pool cannot hand out a buffer (cap reached, or the allocation failed).
+
+    The offload op catches it and keeps the tensor on the device instead.
+    """
+
+
+class HostMemoryWarning(UserWarning):
+    """An activation stayed on the device because no host memory could be had for it."""
+
+
+def size_class(nbytes: int) -> int:
+    """The buffer size a request of ``nbytes`` is served from (see the module docstring)."""
+    if nbytes <= MIN_CLASS_BYTES:
+        return MIN_CLASS_BYTES
+    octave = (nbytes - 1).bit_length() - 1  # 2**octave < nbytes <= 2**(octave + 1)
+    step = (1 << octave) // SUBCLASSES_PER_OCTAVE
+    return -(-nbytes // step) * step
+
+
+class HostPool:
+    """Free lists of host buffers per size class, with an optional cap on the bytes held.
+
+    ``release`` never takes a lock: it runs from ``weakref.finalize`` callbacks, which the
+    garbage collector may fire on any thread, including in the middle of ``acquire`` on this
+    very thread. Returned buffers queue up and are sorted in at the next ``acquire``.
+    """
+
+    def __init__(self, pinned: bool, max_bytes: int | None = None) -> None:
+        self.pinned = pinned
+        self.max_bytes = max_bytes
+        self.bytes = 0  # held by this pool: in use, pending or free
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
+        self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; raises :class:`PoolExhausted` when none can be had."""
+        cls = size_class(nbytes)
+        with self._lock:
+            self._absorb_returned()
+            free = self._free.get(cls)
+            if free:
+                stats.add("pool_hits", 1)
+                return free.pop()
+            stats.add("pool_misses", 1)
+            self._make_room(cls)
+            return self._allocate(cls)
+
+    def release(self, buf: torch.Tensor, pending: Sequence[Completion] = ()) -> None:
+        """Give ``buf`` back; it is reused once every callable in ``pending`` returns True.
+
+        On CUDA those are ``Event.query`` of the copies that touched the buffer: a copy still
+        in flight would otherwise read or write a buffer that someone else now owns.
+        """
+        self._returned.append((buf, pending))
+
+    def usage(self) -> dict[str, int]:
+        """Bytes held, and how they split into free, pending and in use."""
+        with self._lock:
+            self._absorb_returned()
+            free = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            pending = sum(b.numel() for b, _ in self._pending)
+            return {
+                "bytes": self.bytes,
+                "free_bytes": free,
+                "pending_bytes": pending,
+                "in_use_bytes": self.bytes - free - pending,
+            }
+
+    def trim(self) -> int:
+        """Free every idle buffer; returns the bytes given back."""
+        with self._lock:
+            self._absorb_returned()
+            freed = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            self._free.clear()
+            self._shrink(freed)
+            return freed
+
+    def _absorb_returned(self) -> None:
+        while self._returned:
+            self._pending.append(self._returned.popleft())
+        if not self._pending:
+            return
+        # Check every pending entry, not just up to the first unfinished one: torch's host
+        # allocator stops at the first pending event, so finished blocks queue behind a
+        # slow one (cutorch#618).
+        still = []
+        for buf, checks in self._pending:
+            if all(done() for done in checks):
+                self._free.setdefault(buf.numel(), []).append(buf)
+            else:
+                still.append((buf, checks))
+        self._pending = still
+
+    def _make_room(self, cls: int) -> None:
+        cap = self.max_bytes
+        if cap is None or self.bytes + cls <= cap:
+            return
+        # Idle buffers of other classes are the only thing that may go: pending ones are
+        # still touched by copies, and in-use ones belong to live handles.
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and self.bytes + cls > cap:
+                bufs.pop()
+                self._shrink(size)
+        if self.bytes + cls > cap:
+            raise PoolExhausted(
+                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"{self.bytes} bytes held by live offloads, {cls} more requested"
+            )
+
+    def _allocate(self, cls: int) -> torch.Tensor:
+        try:
+            buf = torch.empty(cls, dtype=torch.uint8, pin_memory=self.pinned)
+        except (RuntimeError, MemoryError) as err:
+            kind = "pinned" if self.pinned else "host"
+            raise PoolExhausted(f"allocating {cls} bytes of {kind} memory failed: {err}") from err
+        self.bytes += cls
+        stats.add("host_allocations", 1)
+        stats.pool_resized(cls)
+        return buf
+
+    def _shrink(self, nbytes: int) -> None:
+        if nbytes:
+            self.bytes -= nbytes
+            stats.pool_resized(-nbytes)
+
+
+_pools: dict[str, HostPool] = {}
+_pools_lock = threading.Lock()
+_cap: int | None = None
+_warned = False
+
+
+def get_pool(device_type: str) -> HostPool:
+    """The pool serving offloads from ``device_type``, created on first use."""
+    pool = _pools.get(device_type)
+    if pool is not None:
+        return pool
+    with _pools_lock:
+        pool = _pools.get(device_type)
+        if pool is None:
+            pool = HostPool(pinned=device_type == "cuda", max_bytes=_cap)
+            _pools[device_type] = pool
+        return pool
+
+
+def set_pool_cap(max_bytes: int | None) -> None:
+    """Cap the bytes each host pool may hold (``None``: no cap); re-arms the fallback warning."""
+    global _cap, _warned
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"pool cap must be None or a byte count >= 0, got {max_bytes!r}")
+    with _pools_lock:
+        _cap = max_bytes
+        _warned = False
+        for pool in _pools.values():
+            pool.max_bytes = max_bytes
+
+
+def warn_fallback(reason: str) -> None:
+    """Warn, once per :func:`set_pool_cap`, that an activation stays on the device."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"fxckpt: an activation chosen for offload stays on the device because {reason}. "
+        "Results are unaffected, but device memory is higher than planned; raise "
+        "pinned_pool_bytes or lower the offload volume. (Warned once.)",
+        HostMemoryWarning,
+        stacklevel=4,
+    )

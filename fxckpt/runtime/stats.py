@@ -1,0 +1,93 @@
+"""Process-wide runtime counters, and the registry of plans that compiled graphs report.
+
+Every figure lives here, behind one lock, so that :func:`snapshot` is consistent and the pool
+needs no back-reference to this module's readers. The pool reports its own figures through
+:func:`pool_resized`, :func:`add`; nothing in this module creates a pool or an engine.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_COUNTERS = (
+    "offloaded_bytes",
+    "prefetched_bytes",
+    "stall_seconds",
+    "offload_calls",
+    "fallbacks",
+    "pool_hits",
+    "pool_misses",
+    "host_allocations",
+    "resident_saved_bytes",
+)
+# pool_bytes describes memory the process holds right now, so reset() leaves it alone.
+_LEVELS = ("pool_bytes",)
+
+_lock = threading.Lock()
+_values: dict[str, float | int] = dict.fromkeys(_COUNTERS + _LEVELS, 0)
+_values["stall_seconds"] = 0.0
+_high_water = 0
+# A dict is an insertion-ordered set: membership costs one hash, and the payload string is
+# the same constant object at every call of a compiled graph, so its hash is cached.
+_plans: dict[str, None] = {}
+
+
+def add(name: str, amount: float | int) -> None:
+    """Add ``amount`` to the counter ``name``."""
+    with _lock:
+        _values[name] += amount
+
+
+def record_offload(nbytes: int) -> None:
+    """One offload began: it moves ``nbytes`` to host memory."""
+    with _lock:
+        _values["offload_calls"] += 1
+        _values["offloaded_bytes"] += nbytes
+
+
+def set_resident_saved_bytes(nbytes: int) -> None:
+    with _lock:
+        _values["resident_saved_bytes"] = nbytes
+
+
+def pool_resized(delta: int) -> None:
+    """The host pools together now hold ``delta`` more bytes (negative when they freed some)."""
+    global _high_water
+    with _lock:
+        now = int(_values["pool_bytes"]) + delta
+        _values["pool_bytes"] = now
+        if now > _high_water:
+            _high_water = now
+
+
+def add_plan_payload(s: str) -> None:
+    """Remember a plan payload (a JSON string); empty strings and repeats are ignored."""
+    if not s or s in _plans:
+        return
+    with _lock:
+        _plans[s] = None
+
+
+def plan_payloads() -> list[str]:
+    """The distinct plan payloads reported since the last :func:`reset`, first seen first."""
+    with _lock:
+        return list(_plans)
+
+
+def snapshot() -> dict[str, float | int]:
+    """A consistent copy of every figure, including ``pool_high_water_bytes``."""
+    with _lock:
+        out = dict(_values)
+        out["pool_high_water_bytes"] = _high_water
+        return out
+
+
+def reset() -> None:
+    """Counters to zero, the high-water mark to the pool's present size, and no plans."""
+    global _high_water
+    with _lock:
+        for name in _COUNTERS:
+            _values[name] = 0
+        _values["stall_seconds"] = 0.0
+        _high_water = int(_values["pool_bytes"])
+        _plans.clear()
