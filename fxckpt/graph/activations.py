@@ -128,7 +128,7 @@ def saved_activations(
                 name=node.name,
                 op=op_name(node),
                 module=node_module(node),
-                block=blocks.index_of.get(node.name),
+                block=blocks.block_of(node),
                 shape=tuple(val.shape),
                 dtype=str(val.dtype).removeprefix("torch."),
                 bytes=storage_bytes(val),

@@ -78,9 +78,24 @@ class BlockFacts:
     source: str  # "auto", "regex" or "none"
     index_of: dict[str, int] = field(default_factory=dict)  # node name -> block index
 
+    pattern: str | None = None  # the user's regex, if any
+
     @property
     def blocks(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.index_of.values())))
+
+    def block_of(self, node: fx.Node) -> int | None:
+        """The block of any node, also one the partitioner created (found by its module)."""
+        if node.name in self.index_of:
+            return self.index_of[node.name]
+        if self.source == "none":
+            return None
+        compiled = re.compile(self.pattern) if self.pattern is not None else None
+        for path in module_stack(node):
+            block = _block_of_path(path, compiled, self.prefix)
+            if block is not None:
+                return block
+        return None
 
 
 def _block_of_path(path: str, pattern: re.Pattern[str] | None, prefix: str | None) -> int | None:
@@ -142,4 +157,4 @@ def find_blocks(joint: fx.GraphModule, pattern: str | None = None) -> BlockFacts
     source = "regex" if compiled is not None else "auto"
     if not index_of:
         return BlockFacts(prefix=prefix, source="none")
-    return BlockFacts(prefix=prefix if compiled is None else pattern, source=source, index_of=index_of)
+    return BlockFacts(prefix=prefix, source=source, index_of=index_of, pattern=pattern)
