@@ -196,8 +196,10 @@ class CpuEngine:
         def copy() -> None:
             # The H2D "stream" waits for the D2H "event", like CudaEngine's wait_event.
             try:
-                offloaded.result()
-            except BaseException as err:
+                err = offloaded.exception()
+            except BaseException as cancelled:
+                err = cancelled
+            if err is not None:
                 raise RuntimeCopyError(
                     f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed "
                     f"earlier, so it cannot be restored: {err!r}"
@@ -219,8 +221,11 @@ class CpuEngine:
         return dev, stalled
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
-        rec.dev = rec.src = None
-        return tuple(f.done for f in (rec.d2h, rec.h2d) if f is not None)
+        done = tuple(f.done for f in (rec.d2h, rec.h2d) if f is not None)
+        # A failed copy's future holds the worker's traceback, whose frame holds `rec`:
+        # clearing the fields breaks that cycle now instead of at the next gc pass.
+        rec.dev = rec.src = rec.d2h = rec.h2d = None
+        return done
 
     def shutdown(self) -> None:
         with self._lock:
@@ -233,11 +238,16 @@ class CpuEngine:
 def _block_on(fut: Future[None], rec: Transfer, direction: str) -> float:
     """Wait for ``fut``; a failed copy becomes a RuntimeCopyError, never a hang."""
     start = None if fut.done() else time.perf_counter()
+    # fut.exception(), not fut.result(): re-raising the stored exception would append this
+    # thread's frames, which hold the handle, to a traceback that the future (and so the
+    # handle's own record) keeps alive: the handle could then never be freed.
     try:
-        fut.result()
-    except RuntimeCopyError:
-        raise
-    except BaseException as err:  # CancelledError too: shutdown_all() dropped the copy
+        err = fut.exception()
+    except BaseException as cancelled:  # CancelledError: shutdown_all() dropped the copy
+        err = cancelled
+    if isinstance(err, RuntimeCopyError):
+        raise RuntimeCopyError(str(err)) from err
+    if err is not None:
         raise RuntimeCopyError(
             f"fxckpt: the {direction} copy of offloaded {rec.describe()} failed: {err!r}"
         ) from err

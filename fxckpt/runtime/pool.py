@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -63,11 +64,26 @@ class HostPool:
     def __init__(self, pinned: bool, max_bytes: int | None = None) -> None:
         self.pinned = pinned
         self.max_bytes = max_bytes
-        self.bytes = 0  # held by this pool: in use, pending or free
+        self._held = [0]  # a list the finalizer can read without keeping the pool alive
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
         self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
+        # The process-wide pool_bytes counts this pool's buffers until the pool itself dies.
+        weakref.finalize(self, _forget, self._held).atexit = False
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held by this pool: in use, pending or free."""
+        return self._held[0]
+
+    def set_cap(self, max_bytes: int | None) -> None:
+        """Change the cap, freeing idle buffers until the pool fits under it."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._absorb_returned()
+            if max_bytes is not None:
+                self._evict_idle(lambda: self.bytes > max_bytes)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; raises :class:`PoolExhausted` when none can be had."""
@@ -134,16 +150,19 @@ class HostPool:
             return
         # Idle buffers of other classes are the only thing that may go: pending ones are
         # still touched by copies, and in-use ones belong to live handles.
-        for size in sorted(self._free, reverse=True):
-            bufs = self._free[size]
-            while bufs and self.bytes + cls > cap:
-                bufs.pop()
-                self._shrink(size)
+        self._evict_idle(lambda: self.bytes + cls > cap)
         if self.bytes + cls > cap:
             raise PoolExhausted(
                 f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
                 f"{self.bytes} bytes held by live offloads, {cls} more requested"
             )
+
+    def _evict_idle(self, too_big: Callable[[], bool]) -> None:
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and too_big():
+                bufs.pop()
+                self._shrink(size)
 
     def _allocate(self, cls: int) -> torch.Tensor:
         try:
@@ -151,15 +170,19 @@ class HostPool:
         except (RuntimeError, MemoryError) as err:
             kind = "pinned" if self.pinned else "host"
             raise PoolExhausted(f"allocating {cls} bytes of {kind} memory failed: {err}") from err
-        self.bytes += cls
+        self._held[0] += cls
         stats.add("host_allocations", 1)
         stats.pool_resized(cls)
         return buf
 
     def _shrink(self, nbytes: int) -> None:
         if nbytes:
-            self.bytes -= nbytes
+            self._held[0] -= nbytes
             stats.pool_resized(-nbytes)
+
+
+def _forget(held: list[int]) -> None:
+    stats.pool_resized(-held[0])
 
 
 _pools: dict[str, HostPool] = {}
@@ -190,7 +213,7 @@ def set_pool_cap(max_bytes: int | None) -> None:
         _cap = max_bytes
         _warned = False
         for pool in _pools.values():
-            pool.max_bytes = max_bytes
+            pool.set_cap(max_bytes)
 
 
 def warn_fallback(reason: str) -> None:
