@@ -82,6 +82,7 @@ def offload(src: torch.Tensor) -> torch.Tensor:
         span=span,
         nbytes=span * src.element_size(),
     )
+    copied = 0
     if rec.nbytes:
         # The whole span, from storage_offset on, as it lies in memory: one contiguous copy
         # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
@@ -105,7 +106,8 @@ def offload(src: torch.Tensor) -> torch.Tensor:
                 raise RuntimeCopyError(
                     f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
                 ) from err
-            stats.record_offload(rec.nbytes)
+            copied = rec.nbytes
+    stats.record_offload(copied)
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
     _records[rec.hid] = rec
@@ -162,6 +164,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _same_layout(size: tuple[int, ...], stride: tuple[int, ...], rec: Transfer) -> bool:
+    # The stride of a dimension of size 0 or 1 never moves an address, and torch is free to
+    # report any value there (a fake tensor and the real one can disagree).
+    if size != rec.size:
+        return False
+    if 0 in size:
+        return True
+    return all(n <= 1 or a == b for n, a, b in zip(size, stride, rec.stride, strict=True))
+
+
 @torch.library.custom_op(
     "fxckpt::wait",
     mutates_args=(),
@@ -181,8 +193,8 @@ def wait(
     """
     rec = _lookup(handle)
     size, stride = tuple(size), tuple(stride)
-    if (size, stride, dtype) != (rec.size, rec.stride, rec.dtype) or not _same_device(
-        device, rec.device
+    if not (
+        dtype == rec.dtype and _same_layout(size, stride, rec) and _same_device(device, rec.device)
     ):
         raise RuntimeCopyError(
             f"fxckpt::wait asked for {dtype}, size {list(size)}, stride {list(stride)} on "

@@ -219,9 +219,10 @@ def set_pool_cap(max_bytes: int | None) -> None:
 def warn_fallback(reason: str) -> None:
     """Warn, once per :func:`set_pool_cap`, that an activation stays on the device."""
     global _warned
-    if _warned:
+    with _pools_lock:
+        first, _warned = not _warned, True
+    if not first:
         return
-    _warned = True
     warnings.warn(
         f"fxckpt: an activation chosen for offload stays on the device because {reason}. "
         "Results are unaffected, but device memory is higher than planned; raise "

@@ -39,7 +39,7 @@ def add(name: str, amount: float | int) -> None:
 
 
 def record_offload(nbytes: int) -> None:
-    """One offload began: it moves ``nbytes`` to host memory."""
+    """One offload call, moving ``nbytes`` to host memory (0 when kept on the device)."""
     with _lock:
         _values["offload_calls"] += 1
         _values["offloaded_bytes"] += nbytes

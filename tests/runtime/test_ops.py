@@ -60,12 +60,17 @@ def test_schemas_are_the_contract():
     ]
 
 
-def test_every_op_counts_as_side_effecting():
-    from torch._library.utils import is_impure
-
-    for op in ops.OPS:
-        assert op in torch.fx.node._side_effectful_functions
-        assert is_impure(op)
+def test_dead_code_elimination_keeps_every_op():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    h = g.call_function(OPS.offload.default, (x,))
+    g.call_function(OPS.offload_done.default, (h, x))
+    g.call_function(OPS.prefetch.default, (h,))
+    g.call_function(OPS.wait.default, (h, [2], [1], torch.float32, torch.device("cpu")))
+    g.call_function(OPS.note_saved.default, ([x], ""))
+    g.output(x)
+    g.eliminate_dead_code()
+    assert [n.target for n in g.nodes if n.op == "call_function"] == list(ops.OPS)
 
 
 def test_opcheck_offload():
@@ -175,6 +180,14 @@ def test_wait_with_wrong_metadata_raises():
         OPS.wait(h, [5, 4], [4, 1], src.dtype, src.device)
     with pytest.raises(RuntimeCopyError, match="was offloaded"):
         OPS.wait(h, src.shape, src.stride(), torch.float64, src.device)
+
+
+def test_wait_may_restate_strides_of_size_one_dimensions():
+    src = torch.randn(5, 1, 3)
+    h = OPS.offload(src)
+    out = OPS.wait(h, [5, 1, 3], [3, 99, 1], src.dtype, src.device)
+    assert out.stride() == (3, 99, 1)
+    assert torch.equal(out, src)
 
 
 def test_unknown_handle_raises_clearly():
