@@ -21,10 +21,20 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxckpt._torch_compat import min_cut_rematerialization_partition, trace_plan_artifact
+import torch
+
+from fxckpt._torch_compat import (
+    OFFLOAD_POLICIES,
+    min_cut_rematerialization_partition,
+    trace_plan_artifact,
+)
+from fxckpt.graph import meta
+from fxckpt.graph.costs import measure_bandwidth, node_cost_ms
 from fxckpt.graph.activations import SavedActivation, saved_activations
 from fxckpt.graph.blocks import find_blocks
 from fxckpt.options import Options
+from fxckpt.passes.offload import insert_note, insert_offloads
+from fxckpt.passes.schedule import place_offloads
 from fxckpt.passes.segment import segment_of, tag_segments
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
@@ -68,7 +78,7 @@ def partition(
     *,
     graph_name: str,
     num_fwd_outputs: int,
-    record: Callable[[Plan], None],
+    record: Callable[[Plan], str],
     **kwargs: Any,
 ) -> GraphPair:
     """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan."""
@@ -97,7 +107,16 @@ def partition(
         fw, bw = min_cut(tagged, joint_inputs, **kwargs)
         final = saved_activations(fw, bw, num_fwd_outputs, blocks)
 
+    offloadable = offload_candidates(final, fw, num_fwd_outputs, options)
     choices: dict[str, Choice] = {}
+    with step(graph_name, "plan"):
+        if options.offload == "all":
+            for a in offloadable:
+                choices[a.storage] = Choice("offload", "offload: offload='all' asks for it")
+        requested = user_offload_requests(tagged)
+        for a in offloadable:
+            if a.name in requested and a.storage not in choices:
+                choices[a.storage] = Choice("offload", "offload: the checkpoint policy asks for it")
     plan = build_plan(
         graph_name,
         baseline,
@@ -112,9 +131,86 @@ def partition(
         options=options.to_dict(),
         notes=notes,
     )
+    offloaded = [a for a in final if choices.get(a.storage, _KEEP).kind == "offload"]
+    with step(graph_name, "offload"):
+        device = _device_of(fw)
+        placements = place_offloads(
+            fw,
+            bw,
+            offloaded,
+            fw_step_ms=step_costs(fw, options.cost_model, device),
+            bw_step_ms=step_costs(bw, options.cost_model, device),
+            bytes_per_ms=bandwidth_bytes_per_ms(options, device),
+            jit=options.prefetch == "jit",
+        )
+        fw, bw = insert_offloads(fw, bw, placements)
+        payload = record(plan)
+        resident = [a.name for a in final if choices.get(a.storage, _KEEP).kind == "keep"]
+        fw = insert_note(fw, resident, payload)
     _log_plan(plan, final)
-    record(plan)
     return fw, bw
+
+
+_KEEP = Choice("keep", "")
+
+
+def offload_candidates(
+    final: list[SavedActivation], fw: fx.GraphModule, num_fwd_outputs: int, options: Options
+) -> list[SavedActivation]:
+    """Saved activations the runtime may offload.
+
+    Never model outputs (the user holds them), never tensors with symbolic sizes (the
+    restore op needs concrete sizes), never tensors below ``min_offload_bytes``.
+    """
+    if options.offload == "never":
+        return []
+    out = fw.graph.find_nodes(op="output")[0]
+    user_outputs = {v.name for v in out.args[0][:num_fwd_outputs] if isinstance(v, fx.Node)}
+    nodes = {n.name: n for n in fw.graph.nodes}
+    result = []
+    for a in final:
+        val = nodes[a.name].meta["val"]
+        if a.name in user_outputs or a.first_bw_use < 0 or a.bytes < options.min_offload_bytes:
+            continue
+        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+            continue
+        result.append(a)
+    return result
+
+
+def user_offload_requests(joint: fx.GraphModule) -> set[str]:
+    """Names of nodes a user's selective-checkpoint policy asked to offload.
+
+    torch defines ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` but no torch partitioner reads
+    them; fxckpt does.
+    """
+    return {
+        n.name for n in joint.graph.nodes if n.meta.get(meta.RECOMPUTE) in OFFLOAD_POLICIES
+    }
+
+
+def _device_of(gm: fx.GraphModule) -> torch.device:
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
+            return val.device
+    return torch.device("cpu")
+
+
+def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> list[float]:
+    """Estimated compute milliseconds of each node of ``gm``, in graph order."""
+    return [
+        node_cost_ms(n, cost_model, device) if n.op == "call_function" else 0.0
+        for n in gm.graph.nodes
+    ]
+
+
+def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
+    if options.bandwidth is not None:
+        return float(options.bandwidth) / 1e3
+    if options.cost_model == "unit":
+        return 1e6  # deterministic: 1 MB per unit step
+    return measure_bandwidth(device)
 
 
 def _log_plan(plan: Plan, final: list[SavedActivation]) -> None:

@@ -1,0 +1,113 @@
+"""Carry out a plan's Offload decisions: offload ops in the forward, prefetch/wait in the
+backward, and the note of what stays resident.
+
+After :func:`insert_offloads`, every offloaded tensor leaves the forward as a handle, its
+device storage is held (as a ``keepalive``) only until ``offload_done``, and the backward gets
+it back from ``wait`` before its first use. Where each op sits comes from
+:mod:`fxckpt.passes.schedule`; this pass only inserts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxckpt.graph import meta
+from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
+
+OFFLOAD = torch.ops.fxckpt.offload.default
+OFFLOAD_DONE = torch.ops.fxckpt.offload_done.default
+PREFETCH = torch.ops.fxckpt.prefetch.default
+WAIT = torch.ops.fxckpt.wait.default
+NOTE_SAVED = torch.ops.fxckpt.note_saved.default
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ops for one offloaded tensor go.
+
+    ``done_after`` names the forward node after which ``offload_done`` runs, and
+    ``prefetch_before`` the backward node before which ``prefetch`` is issued.
+    """
+
+    name: str
+    done_after: str
+    prefetch_before: str
+
+
+def _handle_val(like: torch.Tensor) -> torch.Tensor:
+    fake_mode = getattr(like, "fake_mode", None)
+    if fake_mode is None:
+        return torch.empty((), dtype=torch.int64)
+    with fake_mode:
+        return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+def _output(gm: fx.GraphModule) -> fx.Node:
+    return gm.graph.find_nodes(op="output")[0]
+
+
+def insert_offloads(
+    fw: fx.GraphModule, bw: fx.GraphModule, placements: Sequence[Placement]
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Offload each placed saved tensor of ``fw`` and restore it in ``bw``."""
+    if not placements:
+        return fw, bw
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    bw_nodes = {n.name: n for n in bw.graph.nodes}
+    bw_position = {n: i for i, n in enumerate(bw.graph.nodes)}
+    out = _output(fw)
+    outputs = list(out.args[0])
+    for p in placements:
+        src = fw_nodes[p.name]
+        val = src.meta["val"]
+        with fw.graph.inserting_after(src):
+            # The backward placeholder takes the same name, as for any saved tensor.
+            handle = fw.graph.create_node(
+                "call_function", OFFLOAD, (src,), name=f"{p.name}_handle"
+            )
+        handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
+        done_after = fw_nodes[p.done_after]
+        anchor = handle if done_after is src else done_after
+        with fw.graph.inserting_after(anchor):
+            done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
+        done.meta.update({meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name})
+        outputs[outputs.index(src)] = handle
+
+        ph = bw_nodes[p.name]
+        with bw.graph.inserting_before(ph):
+            new_ph = bw.graph.placeholder(handle.name)
+        new_ph.meta.update({"val": handle.meta["val"], meta.SOURCE: p.name})
+        first_use = min(ph.users, key=bw_position.__getitem__)
+        before = bw_nodes[p.prefetch_before]
+        with bw.graph.inserting_before(before):
+            pre = bw.graph.call_function(PREFETCH, (new_ph,))
+        pre.meta.update({meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name})
+        with bw.graph.inserting_before(first_use):
+            restored = bw.graph.call_function(
+                WAIT, (new_ph, list(val.shape), list(val.stride()), val.dtype, val.device)
+            )
+        restored.meta.update(dict(ph.meta))
+        restored.meta.update({meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: p.name})
+        ph.replace_all_uses_with(restored)
+        bw.graph.erase_node(ph)
+    out.args = (tuple(outputs),)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+    return fw, bw
+
+
+def insert_note(fw: fx.GraphModule, resident: Sequence[str], plan_payload: str) -> fx.GraphModule:
+    """After this pass the forward reports, at its end, the saved tensors left on the device
+    and the plan it runs (so a graph loaded from cache still knows its plan)."""
+    nodes = {n.name: n for n in fw.graph.nodes}
+    out = _output(fw)
+    with fw.graph.inserting_before(out):
+        note = fw.graph.call_function(NOTE_SAVED, ([nodes[n] for n in resident], plan_payload))
+    note.meta[meta.ROLE] = meta.ROLE_NOTE
+    fw.recompile()
+    return fw
