@@ -115,6 +115,18 @@ def configure(
             _config.copy_streams = copy_streams
 
 
+def set_copy_streams(n: int) -> None:
+    """Streams (CPU: worker threads) per direction, leaving the testing knobs alone.
+
+    The backend calls this at compile time; calling :func:`configure` there would reset a
+    delay or failure that a test injected before compiling.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"copy_streams must be an int >= 1, got {n!r}")
+    with _config_lock:
+        _config.copy_streams = n
+
+
 def _copy_plan() -> tuple[float, bool]:
     """This copy's delay, and whether it must fail (consumes one injected failure)."""
     with _config_lock:

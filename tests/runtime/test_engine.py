@@ -160,6 +160,17 @@ def test_copy_streams_sets_the_worker_count():
         assert torch.equal(_wait(h, s), s)
 
 
+def test_set_copy_streams_keeps_injected_faults():
+    engine.configure(copy_delay_s=0.01, fail_next_copies=1)
+    engine.set_copy_streams(2)
+    src = torch.randn(8)
+    h = OPS.offload(src)
+    with pytest.raises(RuntimeCopyError, match="injected"):
+        _in_thread(lambda: _wait(h, src))
+    with pytest.raises(ValueError, match="copy_streams"):
+        engine.set_copy_streams(0)
+
+
 def test_configure_rejects_nonsense():
     with pytest.raises(ValueError, match="copy_streams"):
         engine.configure(copy_streams=0)
