@@ -85,10 +85,13 @@ def insert_offloads(
         before = bw_nodes[p.prefetch_before]
         with bw.graph.inserting_before(before):
             pre = bw.graph.call_function(PREFETCH, (new_ph,))
-        pre.meta.update({meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name})
+        pre.meta.update(
+            {"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name}
+        )
         with bw.graph.inserting_before(first_use):
+            # wait takes prefetch's ticket, so no scheduler can put the prefetch after it.
             restored = bw.graph.call_function(
-                WAIT, (new_ph, list(val.shape), list(val.stride()), val.dtype, val.device)
+                WAIT, (new_ph, pre, list(val.shape), list(val.stride()), val.dtype, val.device)
             )
         restored.meta.update(dict(ph.meta))
         restored.meta.update({meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: p.name})

@@ -149,15 +149,22 @@ def _prefetch(rec: Transfer) -> None:
     stats.add("prefetched_bytes", rec.nbytes)
 
 
-@torch.library.custom_op("fxckpt::prefetch", mutates_args=(), schema="(Tensor handle) -> ()")
-def prefetch(handle: torch.Tensor) -> None:
-    """Allocate the device buffer and start copying the handle's bytes into it (idempotent)."""
-    _prefetch(_lookup(handle))
+@torch.library.custom_op("fxckpt::prefetch", mutates_args=(), schema="(Tensor handle) -> Tensor")
+def prefetch(handle: torch.Tensor) -> torch.Tensor:
+    """Allocate the device buffer and start copying the handle's bytes into it (idempotent).
+
+    Returns a ticket naming the same transfer. The graph passes the ticket, not the handle,
+    to ``wait``: that data dependency is what stops Inductor's scheduler from moving the
+    prefetch after the wait (both would otherwise depend only on the handle).
+    """
+    rec = _lookup(handle)
+    _prefetch(rec)
+    return torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
 
 
 @prefetch.register_fake
-def _(handle: torch.Tensor) -> None:
-    return None
+def _(handle: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -177,16 +184,21 @@ def _same_layout(size: tuple[int, ...], stride: tuple[int, ...], rec: Transfer) 
 @torch.library.custom_op(
     "fxckpt::wait",
     mutates_args=(),
-    schema="(Tensor handle, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor",
+    schema="(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor",
 )
 def wait(
     handle: torch.Tensor,
+    ticket: torch.Tensor,
     size: Sequence[int],
     stride: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
     """The offloaded tensor, back on the device, with exactly ``size`` and ``stride``.
+
+    ``ticket`` is what ``prefetch`` returned (or the handle itself): taking it orders the
+    prefetch first. Taking the handle too keeps the transfer alive until here, because
+    AOTAutograd hands the backward its saved tensors without holding them itself.
 
     Each call yields a fresh buffer and the host copy stays until the handle dies, so a
     backward run twice (retain_graph=True) restores twice.
@@ -217,6 +229,7 @@ def wait(
 @wait.register_fake
 def _(
     handle: torch.Tensor,
+    ticket: torch.Tensor,
     size: Sequence[int],
     stride: Sequence[int],
     dtype: torch.dtype,

@@ -32,7 +32,7 @@ def _clean_runtime():
 
 
 def _wait(h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return OPS.wait(h, like.shape, like.stride(), like.dtype, like.device)
+    return OPS.wait(h, h, like.shape, like.stride(), like.dtype, like.device)
 
 
 def _in_thread(fn, timeout: float = 20.0):

@@ -29,7 +29,7 @@ def round_trip(src: torch.Tensor, prefetch: bool = True) -> torch.Tensor:
     OPS.offload_done(h, src)
     if prefetch:
         OPS.prefetch(h)
-    return OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    return OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
 
 
 def _base() -> torch.Tensor:
@@ -53,8 +53,8 @@ def test_schemas_are_the_contract():
     assert [str(op._schema) for op in ops.OPS] == [
         "fxckpt::offload(Tensor src) -> Tensor",
         "fxckpt::offload_done(Tensor handle, Tensor keepalive) -> ()",
-        "fxckpt::prefetch(Tensor handle) -> ()",
-        "fxckpt::wait(Tensor handle, SymInt[] size, SymInt[] stride, ScalarType dtype, "
+        "fxckpt::prefetch(Tensor handle) -> Tensor",
+        "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
         "Device device) -> Tensor",
         "fxckpt::note_saved(Tensor[] saved, str plan) -> ()",
     ]
@@ -90,7 +90,7 @@ def test_opcheck_done_prefetch_wait(case):
     h = OPS.offload(src)
     torch.library.opcheck(OPS.offload_done.default, (h, src))
     torch.library.opcheck(OPS.prefetch.default, (h,))
-    args = (h, list(src.shape), list(src.stride()), src.dtype, src.device)
+    args = (h, h, list(src.shape), list(src.stride()), src.dtype, src.device)
     torch.library.opcheck(OPS.wait.default, args)
 
 
@@ -105,11 +105,11 @@ def test_opcheck_note_saved():
 def test_fake_strides_equal_real_strides(case):
     src = CASES[case]()
     h = OPS.offload(src)
-    real = OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    real = OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
     with FakeTensorMode() as mode:
         fake_src = mode.from_tensor(src)
         fake_h = OPS.offload(fake_src)
-        fake = OPS.wait(fake_h, src.shape, src.stride(), src.dtype, src.device)
+        fake = OPS.wait(fake_h, fake_h, src.shape, src.stride(), src.dtype, src.device)
     assert (fake_h.shape, fake_h.stride(), fake_h.dtype, fake_h.device) == (
         h.shape,
         h.stride(),
@@ -157,9 +157,9 @@ def test_wait_twice_for_retain_graph_gives_fresh_equal_tensors():
     src = CASES["view_with_offset"]()
     h = OPS.offload(src)
     OPS.offload_done(h, src)
-    first = OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    first = OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
     first.zero_()  # a backward may reuse the output buffer in place
-    second = OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    second = OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
     assert torch.equal(second, src)
     assert second.data_ptr() != first.data_ptr()
 
@@ -169,7 +169,7 @@ def test_prefetch_is_idempotent():
     h = OPS.offload(src)
     OPS.prefetch(h)
     OPS.prefetch(h)
-    OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
     assert stats.snapshot()["prefetched_bytes"] == src.nbytes
 
 
@@ -177,15 +177,15 @@ def test_wait_with_wrong_metadata_raises():
     src = torch.randn(4, 5)
     h = OPS.offload(src)
     with pytest.raises(RuntimeCopyError, match="was offloaded"):
-        OPS.wait(h, [5, 4], [4, 1], src.dtype, src.device)
+        OPS.wait(h, h, [5, 4], [4, 1], src.dtype, src.device)
     with pytest.raises(RuntimeCopyError, match="was offloaded"):
-        OPS.wait(h, src.shape, src.stride(), torch.float64, src.device)
+        OPS.wait(h, h, src.shape, src.stride(), torch.float64, src.device)
 
 
 def test_wait_may_restate_strides_of_size_one_dimensions():
     src = torch.randn(5, 1, 3)
     h = OPS.offload(src)
-    out = OPS.wait(h, [5, 1, 3], [3, 99, 1], src.dtype, src.device)
+    out = OPS.wait(h, h, [5, 1, 3], [3, 99, 1], src.dtype, src.device)
     assert out.stride() == (3, 99, 1)
     assert torch.equal(out, src)
 
@@ -211,7 +211,7 @@ class _OffloadSaved(torch.autograd.Function):
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
         OPS.prefetch(h)
-        y = OPS.wait(h, *ctx.meta)
+        y = OPS.wait(h, h, *ctx.meta)
         return grad * 2 * y * 3
 
 
@@ -267,11 +267,11 @@ def test_ops_survive_inductor():
         h = OPS.offload(y)
         OPS.offload_done(h, y)
         OPS.prefetch(h)
-        return OPS.wait(h, y.shape, y.stride(), y.dtype, y.device) + 1
+        return OPS.wait(h, h, y.shape, y.stride(), y.dtype, y.device) + 1
 
     def unused_results(x):
         h = OPS.offload(x)
-        OPS.prefetch(h)  # returns nothing: DCE would drop it if it were pure
+        OPS.prefetch(h)  # its ticket is unused: DCE would drop it if it were pure
         OPS.note_saved([x], "plan-under-inductor")
         return x + 1
 

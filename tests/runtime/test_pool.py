@@ -33,7 +33,7 @@ def _round_trip(src: torch.Tensor) -> torch.Tensor:
     h = OPS.offload(src)
     OPS.offload_done(h, src)
     OPS.prefetch(h)
-    return OPS.wait(h, src.shape, src.stride(), src.dtype, src.device)
+    return OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device)
 
 
 @given(st.integers(min_value=0, max_value=1 << 40))
@@ -123,7 +123,7 @@ def test_steady_state_makes_no_host_allocation():
             live.append((h, src))
         for h, src in reversed(live):
             OPS.prefetch(h)
-            assert torch.equal(OPS.wait(h, src.shape, src.stride(), src.dtype, src.device), src)
+            assert torch.equal(OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device), src)
         del live, h
         snap = stats.snapshot()
         samples.append((snap["pool_bytes"], snap["host_allocations"]))
@@ -148,8 +148,8 @@ def test_cap_falls_back_to_the_device_with_exactly_one_warning():
     assert stats.snapshot()["fallbacks"] == 3
     assert pool.get_pool("cpu").bytes <= cap
     for h, s in zip(handles, srcs, strict=True):
-        assert torch.equal(OPS.wait(h, s.shape, s.stride(), s.dtype, s.device), s)
-        assert torch.equal(OPS.wait(h, s.shape, s.stride(), s.dtype, s.device), s)
+        assert torch.equal(OPS.wait(h, h, s.shape, s.stride(), s.dtype, s.device), s)
+        assert torch.equal(OPS.wait(h, h, s.shape, s.stride(), s.dtype, s.device), s)
 
 
 def test_handle_dropped_before_prefetch_returns_its_buffer():
@@ -194,7 +194,7 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
-        y = OPS.wait(h, *ctx.meta)
+        y = OPS.wait(h, h, *ctx.meta)
         return grad * 2 * (1 - y * y)
 
 

@@ -24,7 +24,7 @@ def _round_trip(src: torch.Tensor) -> None:
     h = OPS.offload(src)
     OPS.offload_done(h, src)
     OPS.prefetch(h)
-    assert torch.equal(OPS.wait(h, src.shape, src.stride(), src.dtype, src.device), src)
+    assert torch.equal(OPS.wait(h, h, src.shape, src.stride(), src.dtype, src.device), src)
 
 
 def test_offloaded_bytes_equal_prefetched_bytes_and_count_spans():
