@@ -1,0 +1,205 @@
+"""FLOPs, bandwidth and the cost models that turn an FX node into estimated milliseconds.
+
+Nothing here runs at import: bandwidth is measured on first use and cached per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx
+
+# Sustained rates for the "flops" model, in FLOPs per millisecond. Deliberately below peak:
+# a recomputed op runs alone, without the fusion and overlap of the original step.
+DEFAULT_CPU_FLOPS_PER_MS = 1e8  # ~100 GFLOP/s, a few cores of a server CPU
+DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dense peak
+
+_COPY_BYTES = 64 * 2**20
+_VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
+                           "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
+                           "as_strided", "view_as", "expand_as", "contiguous", "detach"})
+
+
+def _aten_target(node: torch.fx.Node) -> Any:
+    return node.target if hasattr(node.target, "_schema") else None
+
+
+def is_view_like(node: torch.fx.Node) -> bool:
+    """True for nodes that alias an input instead of computing: views and ``getitem``."""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    target = _aten_target(node)
+    return bool(target is not None and getattr(target, "is_view", False))
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """True for ops whose result depends on the RNG state: never recompute these."""
+    if node.op != "call_function":
+        return False
+    import torch
+
+    target = _aten_target(node)
+    if target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+        return True
+    name = str(getattr(node.target, "__name__", node.target)).lower()
+    # rngprims.philox_rand, higher_order.run_and_save_rng_state / run_with_rng_state, ...
+    return "rng" in name or "philox" in name
+
+
+def _is_compute(node: torch.fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module") and not is_view_like(node)
+
+
+def _meta_args(node: torch.fx.Node, make: Callable[[Any], Any]) -> tuple[tuple, dict] | None:
+    """``node``'s args with every input node replaced by ``make(its meta['val'])``."""
+    import torch
+
+    missing = False
+
+    def val(n: torch.fx.Node) -> Any:
+        nonlocal missing
+        v = n.meta.get("val")
+        if v is None:
+            missing = True
+        return make(v) if isinstance(v, torch.Tensor) else v
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), val)  # type: ignore[misc]
+    return None if missing else (tuple(args), dict(kwargs))
+
+
+def _on_meta(v: Any) -> Any:
+    """FakeTensors count as they are; real tensors become meta tensors so nothing runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(v, FakeTensor) or v.device.type == "meta":
+        return v
+    return v.new_empty_strided(v.shape, v.stride(), device="meta")
+
+
+def node_flops(node: torch.fx.Node) -> float:
+    """FLOPs of one ``call_function`` node, counted by ``FlopCounterMode`` on its fake inputs.
+
+    Returns 0.0 for views, ``getitem``, ops the counter has no formula for (elementwise ops,
+    copies), nodes whose inputs lack ``meta["val"]``, and anything that fails to run on fake
+    tensors (e.g. a guard on a symbolic size).
+    """
+    if node.op != "call_function" or not _is_compute(node):
+        return 0.0
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        got = _meta_args(node, _on_meta)
+        if got is None:
+            return 0.0
+        with FlopCounterMode(display=False) as counter:
+            node.target(*got[0], **got[1])  # type: ignore[operator]
+        return float(counter.get_total_flops())
+    except Exception:
+        return 0.0
+
+
+def flops_to_ms(flops: float, device: Any) -> float:
+    """Milliseconds for ``flops`` at the default sustained rate of ``device``'s type."""
+    kind = device if isinstance(device, str) else getattr(device, "type", str(device))
+    rate = DEFAULT_CUDA_FLOPS_PER_MS if str(kind).startswith("cuda") else DEFAULT_CPU_FLOPS_PER_MS
+    return flops / rate
+
+
+@functools.cache
+def _bandwidth(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+        dev.copy_(host, non_blocking=True)  # warm up the copy engines and the allocator
+        host.copy_(dev, non_blocking=True)
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        mid.record()
+        host.copy_(dev, non_blocking=True)
+        end.record()
+        end.synchronize()
+        slower_ms = max(start.elapsed_time(mid), mid.elapsed_time(end))  # the tighter channel
+        return _COPY_BYTES / max(slower_ms, 1e-6)
+    src = torch.empty(_COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return _COPY_BYTES / max(best * 1e3, 1e-6)
+
+
+def measure_bandwidth(device: Any) -> float:
+    """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
+
+    CUDA: a pinned 64 MiB host buffer copied H2D then D2H, timed with CUDA events; the slower
+    direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate).
+    """
+    name = device if isinstance(device, str) else str(device)
+    if name == "cuda":
+        import torch
+
+        name = f"cuda:{torch.cuda.current_device()}"
+    return _bandwidth(name)
+
+
+def _profile_ms(node: torch.fx.Node, device: str, repeats: int = 5) -> float:
+    import torch
+
+    def real(v: torch.Tensor) -> torch.Tensor:
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            return torch.randn(v.shape, dtype=v.dtype, device=device)
+        return torch.zeros(v.shape, dtype=v.dtype, device=device)  # safe as an index
+
+    got = _meta_args(node, real)
+    if got is None:
+        return 0.0
+    fn = node.target
+    fn(*got[0], **got[1])  # type: ignore[operator]  # warm-up: kernels, allocator
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn(*got[0], **got[1])  # type: ignore[operator]
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
+    """Estimated milliseconds to (re)compute ``node``.
+
+    - ``"unit"``: 1.0 per compute node, 0.0 for views, ``getitem`` and non-calls
+      (deterministic, for tests);
+    - ``"flops"``: :func:`flops_to_ms` of :func:`node_flops` (0 for ops without a FLOP
+      formula, such as elementwise ops);
+    - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
+      CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
+    """
+    if cost_model not in ("unit", "flops", "profile"):
+        raise ValueError(f"cost_model={cost_model!r}; expected 'unit', 'flops' or 'profile'")
+    if not _is_compute(node):
+        return 0.0
+    if cost_model == "unit":
+        return 1.0
+    name = device if isinstance(device, str) else str(device)
+    if cost_model == "profile" and name.startswith("cuda") and node.op == "call_function":
+        try:
+            return _profile_ms(node, name)
+        except Exception:
+            pass
+    return flops_to_ms(node_flops(node), name)

@@ -1,0 +1,102 @@
+"""FLOPs, the cost models and bandwidth measurement."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxckpt.graph import costs
+from fxckpt.graph.costs import (
+    DEFAULT_CPU_FLOPS_PER_MS,
+    DEFAULT_CUDA_FLOPS_PER_MS,
+    flops_to_ms,
+    is_random,
+    is_view_like,
+    measure_bandwidth,
+    node_cost_ms,
+    node_flops,
+)
+
+
+def traced():
+    def f(x, w):
+        y = torch.nn.functional.dropout((x @ w).relu(), 0.5, True)
+        return y.view(-1).sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 128), torch.randn(128, 32))
+    return {str(n.target): n for n in gm.graph.nodes}
+
+
+def test_mm_flops_and_non_compute_ops():
+    nodes = traced()
+    assert node_flops(nodes["aten.mm.default"]) == 2 * 64 * 128 * 32
+    for name in ("aten.relu.default", "aten.view.default", "x_1", "output"):
+        assert node_flops(nodes[name]) == 0.0
+
+
+def test_flops_from_real_tensor_vals():
+    # ShapeProp-style graphs carry real tensors; they are counted through meta copies.
+    gm = torch.fx.symbolic_trace(lambda x, w: torch.mm(x, w))
+    vals = iter([torch.randn(64, 128), torch.randn(128, 32)])
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = next(vals)
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert node_flops(mm) == 2 * 64 * 128 * 32
+
+
+def test_missing_vals_give_zero():
+    gm = torch.fx.symbolic_trace(lambda x: x @ x)
+    assert [node_flops(n) for n in gm.graph.nodes] == [0.0, 0.0, 0.0]
+
+
+def test_unit_model_is_deterministic():
+    nodes = traced()
+    got = {k: node_cost_ms(n, "unit", "cpu") for k, n in nodes.items()}
+    assert got == {k: node_cost_ms(n, "unit", "cpu") for k, n in traced().items()}
+    assert got["aten.mm.default"] == got["aten.relu.default"] == 1.0
+    assert got["aten.view.default"] == got["x_1"] == got["output"] == 0.0
+    with pytest.raises(ValueError, match="cost_model"):
+        node_cost_ms(nodes["aten.mm.default"], "guess", "cpu")
+
+
+def test_flops_model_and_profile_falls_back_on_cpu():
+    mm = traced()["aten.mm.default"]
+    want = 2 * 64 * 128 * 32 / DEFAULT_CPU_FLOPS_PER_MS
+    assert node_cost_ms(mm, "flops", "cpu") == pytest.approx(want)
+    assert node_cost_ms(mm, "profile", "cpu") == pytest.approx(want)
+    assert flops_to_ms(1e11, "cuda:0") == pytest.approx(1e11 / DEFAULT_CUDA_FLOPS_PER_MS)
+    assert flops_to_ms(1e8, torch.device("cpu")) == pytest.approx(1.0)
+
+
+def test_view_and_random_helpers():
+    nodes = traced()
+    assert is_view_like(nodes["aten.view.default"])
+    assert not is_view_like(nodes["aten.mm.default"])
+    assert is_random(nodes["aten.bernoulli_.float"])
+    assert not is_random(nodes["aten.relu.default"])
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    item = g.call_function(operator.getitem, (x, 0))
+    assert is_view_like(item)
+
+
+def test_measure_bandwidth_is_positive_and_cached(monkeypatch):
+    costs._bandwidth.cache_clear()
+    first = measure_bandwidth("cpu")
+    assert first > 0
+    monkeypatch.setattr(torch, "empty", None)
+    assert measure_bandwidth("cpu") == first  # served from the cache: nothing allocated
+    assert costs._bandwidth.cache_info().hits >= 1
+
+
+@pytest.mark.gpu
+def test_measure_bandwidth_cuda():
+    bw = measure_bandwidth("cuda")
+    assert 1e5 < bw < 1e9  # between 0.1 and 1000 GB/s, in bytes per ms
+    assert measure_bandwidth("cuda") == bw
+    mm = traced()["aten.mm.default"]
+    assert node_cost_ms(mm, "profile", "cuda") > 0
