@@ -101,6 +101,11 @@ def compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options, mode: str | None = None
 ) -> Any:
     """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator."""
+    from fxckpt.runtime import engine, pool
+
+    # Runtime settings apply per process: the last compile's options win, as documented.
+    engine.set_copy_streams(options.copy_streams)
+    pool.set_pool_cap(options.pinned_pool_bytes)
     partitioner = FxckptPartitioner(options)
     if options.compiler == "eager":
         if mode not in (None, "default"):

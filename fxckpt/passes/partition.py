@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from fxckpt.options import Options
 from fxckpt.passes.offload import insert_note, insert_offloads
 from fxckpt.passes.schedule import place_offloads
 from fxckpt.passes.segment import segment_of, tag_segments
+from fxckpt.runtime.pool import size_class
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
 
@@ -117,6 +119,7 @@ def partition(
         for a in offloadable:
             if a.name in requested and a.storage not in choices:
                 choices[a.storage] = Choice("offload", "offload: the checkpoint policy asks for it")
+        cap_host_pool(final, choices, options.pinned_pool_bytes, graph_name)
     plan = build_plan(
         graph_name,
         baseline,
@@ -152,6 +155,35 @@ def partition(
 
 
 _KEEP = Choice("keep", "")
+
+
+def cap_host_pool(
+    final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
+) -> None:
+    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``."""
+    if cap is None:
+        return
+    used, dropped = 0, 0
+    seen: set[str] = set()
+    for a in sorted(final, key=lambda a: a.produced):
+        choice = choices.get(a.storage)
+        if choice is None or choice.kind != "offload" or a.storage in seen:
+            continue
+        seen.add(a.storage)
+        need = size_class(a.bytes)  # what the pool will really hand out
+        if used + need <= cap:
+            used += need
+            continue
+        choices[a.storage] = Choice(
+            "keep", f"keep: the host pool is full (pinned_pool_bytes={cap}, {used} B in use)"
+        )
+        dropped += 1
+    if dropped:
+        warnings.warn(
+            f"fxckpt[{graph_name}]: pinned_pool_bytes={cap} holds {used} B of offloads; "
+            f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
+            stacklevel=2,
+        )
 
 
 def offload_candidates(

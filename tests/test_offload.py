@@ -1,0 +1,208 @@
+"""Offload end to end: exact gradients, bytes that round-trip, ops where they belong."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import fxckpt
+from equality import assert_step_matches
+from fxckpt.runtime import engine
+from models import GPT, MLP, gpt_inputs, hf_model
+
+ALL = {"offload": "all", "min_offload_bytes": 0}
+
+
+@pytest.fixture(autouse=True)
+def _engine_defaults():
+    engine.configure()
+    yield
+    engine.configure()
+
+
+def _offloaded_all_saved(plan: fxckpt.Plan) -> None:
+    kinds = {r.decision.kind for r in plan.activations}
+    assert kinds == {"offload"}, kinds
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.inductor])])
+def test_gpt_offload_all_matches_eager(compiler: str) -> None:
+    torch.manual_seed(0)
+    tol = {} if compiler == "eager" else {"atol": 1e-5, "rtol": 1e-4}
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler=compiler, **ALL), steps=2, **tol)
+    s = fxckpt.stats()
+    assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+    _offloaded_all_saved(fxckpt.last_plans()[0])
+
+
+def test_mlp_offload_all_is_bitwise_equal_to_eager() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    # Keep and offload reorder no arithmetic, so fp32 results are bitwise equal.
+    assert_step_matches(MLP(), (x,), fxckpt.backend(compiler="eager", **ALL), steps=2, atol=0, rtol=0)
+    s = fxckpt.stats()
+    assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hf_offload_all_matches_eager(arch: str) -> None:
+    model, inputs = hf_model(arch)
+    model.train()
+    assert_step_matches(model, inputs, fxckpt.backend(compiler="eager", **ALL), atol=1e-5, rtol=1e-4)
+    s = fxckpt.stats()
+    assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hf_offload_all_matches_eager_under_inductor(arch: str) -> None:
+    model, inputs = hf_model(arch)
+    model.train()
+    assert_step_matches(model, inputs, fxckpt.backend(**ALL), atol=1e-5, rtol=1e-4)
+    s = fxckpt.stats()
+    assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+
+
+def test_delayed_copies_stay_exact() -> None:
+    engine.configure(copy_delay_s=0.002, poison_fresh=True)
+    torch.manual_seed(0)
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler="eager", **ALL), steps=2)
+
+
+def test_a_missing_wait_is_caught() -> None:
+    # The deliberately broken variant: waits return before the copies land.
+    engine.configure(copy_delay_s=0.005, poison_fresh=True, unsafe_skip_waits=True)
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError):
+        assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler="eager", **ALL))
+
+
+def test_offload_never_and_stride_compose() -> None:
+    torch.manual_seed(0)
+    backend = fxckpt.backend(compiler="eager", offload="never", segment_stride=1)
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), backend)
+    (plan,) = fxckpt.last_plans()
+    assert plan.offloaded_bytes == 0 and fxckpt.stats()["offloaded_bytes"] == 0
+
+
+def test_stride_with_offload_all_offloads_segment_inputs() -> None:
+    torch.manual_seed(0)
+    backend = fxckpt.backend(compiler="eager", segment_stride=1, **ALL)
+    assert_step_matches(GPT(n_layers=3), gpt_inputs(), backend)
+    (plan,) = fxckpt.last_plans()
+    kinds = {r.decision.kind for r in plan.activations}
+    assert kinds == {"offload", "recompute"}
+    assert plan.recomputed_bytes > 0 and plan.offloaded_bytes > 0
+
+
+def test_resident_saved_bytes_excludes_the_host_pool() -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    idx, tgt = gpt_inputs()
+    torch.compile(model, backend=fxckpt.backend(compiler="eager"))(idx, tgt).backward()
+    kept = fxckpt.stats()["resident_saved_bytes"]
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    torch.compile(model, backend=fxckpt.backend(compiler="eager", **ALL))(idx, tgt).backward()
+    assert kept > 0
+    assert fxckpt.stats()["resident_saved_bytes"] == 0
+
+
+def test_pinned_pool_cap_keeps_the_rest_and_warns_once() -> None:
+    torch.manual_seed(0)
+    cap = 20_000
+    with pytest.warns(UserWarning, match="pinned_pool_bytes") as record:
+        assert_step_matches(
+            GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler="eager", pinned_pool_bytes=cap, **ALL)
+        )
+    assert sum("pinned_pool_bytes" in str(w.message) for w in record) == 1
+    (plan,) = fxckpt.last_plans()
+    assert 0 < plan.offloaded_bytes <= cap
+    assert any("pinned_pool_bytes" in r.decision.reason for r in plan.activations if r.decision.kind == "keep")
+
+
+def test_pool_stops_growing_over_200_steps() -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    compiled = torch.compile(model, backend=fxckpt.backend(compiler="eager", **ALL))
+    idx, tgt = gpt_inputs()
+    for _ in range(20):
+        compiled(idx, tgt).backward()
+    warm = fxckpt.stats()
+    for _ in range(180):
+        compiled(idx, tgt).backward()
+    after = fxckpt.stats()
+    assert after["pool_bytes"] == warm["pool_bytes"] > 0
+    assert after["host_allocations"] == warm["host_allocations"]
+    assert after["pool_hits"] > warm["pool_hits"]
+
+
+def _captured_code(model: torch.nn.Module, inputs: tuple) -> tuple[str, str]:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from fxckpt.backend import FxckptPartitioner
+
+    codes: list[str] = []
+
+    def keep(gm, _):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=keep, bw_compiler=keep, partition_fn=FxckptPartitioner(fxckpt.Options(**ALL))
+    )
+    torch.compile(model, backend=backend)(*inputs).sum().backward()
+    return tuple(_normalise(c) for c in codes)  # type: ignore[return-value]
+
+
+def _normalise(code: str) -> str:
+    code = re.sub(r"'\{.*\}'", "'<plan>'", code)  # the plan payload of note_saved
+    code = re.sub(r"\s*#.*", "", code)
+    return "\n".join(line.rstrip() for line in code.strip().splitlines() if line.strip())
+
+
+class TestGoldenOffloadGraphs(TestCase):
+    @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="golden text is for torch 2.13")
+    def test_forward_and_backward_code(self) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        fw, bw = _captured_code(model, (torch.randn(2, 4),))
+        self.assertExpectedInline(fw, """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
+    t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
+    tanh = torch.ops.aten.tanh.default(addmm);  addmm = None
+    tanh_handle = torch.ops.fxckpt.offload.default(tanh)
+    t_1 = torch.ops.aten.t.default(primals_4)
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, tanh, t_1);  primals_5 = t_1 = None
+    offload_done_default = torch.ops.fxckpt.offload_done.default(tanh_handle, tanh);  tanh = offload_done_default = None
+    note_saved_default = torch.ops.fxckpt.note_saved.default([], '<plan>');  note_saved_default = None
+    return (addmm_1, primals_3, primals_4, tanh_handle)""")
+        self.assertExpectedInline(bw, """\
+def forward(self, primals_3, primals_4, tanh_handle, tangents_1):
+    t_1 = torch.ops.aten.t.default(primals_4);  primals_4 = None
+    t_2 = torch.ops.aten.t.default(t_1);  t_1 = None
+    prefetch_default = torch.ops.fxckpt.prefetch.default(tanh_handle)
+    mm = torch.ops.aten.mm.default(tangents_1, t_2);  t_2 = None
+    t_3 = torch.ops.aten.t.default(tangents_1)
+    wait_default = torch.ops.fxckpt.wait.default(tanh_handle, prefetch_default, [2, 8], [8, 1], torch.float32, device(type='cpu'));  tanh_handle = prefetch_default = None
+    mm_1 = torch.ops.aten.mm.default(t_3, wait_default);  t_3 = None
+    t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+    view = torch.ops.aten.view.default(sum_1, [1]);  sum_1 = None
+    t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
+    detach = torch.ops.aten.detach.default(wait_default);  wait_default = None
+    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
+    tanh_backward = torch.ops.aten.tanh_backward.default(mm, detach_1);  mm = detach_1 = None
+    t_6 = torch.ops.aten.t.default(tanh_backward)
+    mm_2 = torch.ops.aten.mm.default(t_6, primals_3);  t_6 = primals_3 = None
+    t_7 = torch.ops.aten.t.default(mm_2);  mm_2 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(tanh_backward, [0], True);  tanh_backward = None
+    view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
+    t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
+    return (t_8, view_1, None, t_5, view)""")
