@@ -334,6 +334,21 @@ class _ChainTree:
             k >>= 1
 
 
+    def root_if(self, slot: int, a: float, d: float, on: bool) -> float:
+        """The chain's end if ``slot`` were set so, without changing anything."""
+        sm, best, k = self.sm, self.best, slot + self.n
+        s, e = (d, a + d) if on else (0.0, -math.inf)
+        while k > 1:
+            if k & 1:  # right child: the sibling's copies run first
+                x = best[k - 1] + s
+                e, s = (x if x > e else e), sm[k - 1] + s
+            else:
+                x, y = e + sm[k + 1], best[k + 1]
+                e, s = (x if x > y else y), s + sm[k + 1]
+            k >>= 1
+        return e
+
+
 class IncrementalSim:
     """Exact residency and cost of a configuration that changes one candidate at a time.
 
@@ -372,10 +387,10 @@ class IncrementalSim:
         for b, i in reversed(self.hm):
             s = self.st[i] = min(S[b], s) - self.d[i]
 
-    def _chains(self, i: int, on: bool, lists: bool = True) -> None:
+    def _chains(self, i: int, on: bool) -> None:
         c = self.pb.candidates
         for chain, key in ((self.dm, (c.produced[i], i)), (self.hm, (c.first_bw_use[i], i))):
-            if lists and not (self.jit and chain is self.hm):
+            if not (self.jit and chain is self.hm):
                 if on:
                     insort(chain, key)
                 else:
@@ -435,11 +450,16 @@ class IncrementalSim:
 
     def delta_offload(self, x: int, on: bool) -> float:
         """Exact change of cost if ``x`` joins (``on``) or leaves the copy chains."""
-        before = self.cost
-        self._chains(x, on, lists=False)
-        after = self.cost
-        self._chains(x, not on, lists=False)
-        return after - before
+        sign, c, d = (1 if on else -1), self.pb.candidates, self.d[x]
+        d2h = self.dtree.root_if(self.dslot[x], self.a[x], d, on)
+        if self.jit:
+            h2d = self.jit_ms + sign * d
+        else:
+            neg_start = self.htree.root_if(self.hslot[x], -self.S[c.first_bw_use[x]], d, on)
+            h2d = max(0.0, self.SF + neg_start)
+        after = (self.rec + self.price + sign * OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[x]
+                 + max(0.0, d2h - self.SF) + h2d)
+        return after - self.cost
 
     def set_recompute(self, i: int) -> None:
         if self.mode[i] == "offload":
