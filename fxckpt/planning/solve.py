@@ -1,0 +1,412 @@
+"""Budget solver: keep, recompute or offload each candidate so the resident peak fits.
+
+Solvers take a :class:`~fxckpt.graph.memory.Problem` (plain numbers) and return a
+:class:`Solution` whose ``peak``, ``cost_ms`` and per-candidate figures all come from
+:func:`~fxckpt.graph.memory.simulate`, the single source of truth.
+
+Methods:
+
+- ``"greedy"`` (near-linear) builds ONE budget-independent sequence of configurations, then
+  picks a point of it per budget. Each step looks at the current resident peak: on a plateau,
+  the peak position whose cheapest fix is dearest. At that position it takes, of the two
+  cheapest options per byte freed (keep→recompute, keep→offload, offload→recompute; ties by
+  index), the one with the least added ms per byte the peak actually falls. Offload prices are
+  exact marginals on the FIFO channels, re-evaluated lazily. Evicted sets only grow along the
+  sequence, so they are nested. Its peak is *not* monotone, though: an offload queues on the
+  copy channels and can hold another offloaded tensor resident longer. So binary search over
+  the prefix length would not be valid. Every point's exact peak and cost are therefore
+  tracked (:class:`~fxckpt.graph.memory.IncrementalSim`). The Pareto chain is kept: points
+  whose peak falls strictly and whose cost never falls, with none beaten on both counts by an
+  earlier one. A budget gets the first chain point that fits. As the budget shrinks, that point
+  moves later, so the peak never rises, the cost never falls and the evicted sets stay nested
+  (torch's own budget is not monotone, pytorch#197838). Below the chain's lowest peak, its last
+  point comes back with ``feasible=False``. There is no step that un-evicts unneeded items:
+  which items are unneeded depends on the budget, and dropping them would break nesting. The
+  Pareto chain is the monotone-safe form of that improvement.
+- ``"milp"`` uses scipy.optimize.milp (HiGHS). Variables are binary recompute/offload flags
+  per candidate (keep = neither). There is one memory row per run of positions with the same
+  covering set whose all-keep residency exceeds the budget. Bytes are scaled to MiB once the
+  tensors are that big (PLANNER_NOTES: raw byte coefficients gave CBC "optimal" answers that
+  broke constraints). Offload residency and exposed time use each candidate's *isolated*
+  figures (no other copy on the channels), so the model is exact when copies do not queue
+  behind each other and optimistic otherwise. Any answer whose simulated peak breaks the
+  budget is cut off with a no-good cut, and the model is solved again.
+- ``"brute"``: every combination (n <= 12), the checker for tests.
+- ``"auto"`` is greedy. MILP optima are not nested across budgets (PLANNER_NOTES (d)), and
+  monotonicity in the budget is a hard requirement, so the MILP stays a checker.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise, product
+
+from fxckpt.graph.memory import (
+    OFFLOAD_PRICE_MS_PER_BYTE,
+    IncrementalSim,
+    Problem,
+    SimResult,
+    isolated_offload,
+    offload_schedule,
+    residency,
+    simulate,
+)
+
+METHODS = ("auto", "greedy", "milp", "brute")
+_HIDE = 1 << 60  # taken off plateau positions to read the level below them
+_PLATEAU = 16  # peak positions compared per greedy step
+_LOOKAHEAD = 2  # cheapest-per-byte options whose actual peak drop is tried per step
+
+
+@dataclass(frozen=True)
+class Solution:
+    choices: list[str]
+    peak: int
+    peak_at: int
+    cost_ms: float
+    feasible: bool
+    method_used: str
+    budget_bytes: int | None
+    exposed_ms: list[float]  # per candidate: copy time not hidden by compute
+    hide_ms: list[float]  # per candidate: compute available to hide its copies
+    sim: SimResult
+
+    @property
+    def evicted(self) -> frozenset[int]:
+        return frozenset(i for i, c in enumerate(self.choices) if c != "keep")
+
+
+def _finish(problem: Problem, choices: Sequence[str], budget: int | None, method: str,
+            prefetch: str) -> Solution:
+    sim = simulate(problem, choices, prefetch=prefetch)  # type: ignore[arg-type]
+    return Solution(list(choices), sim.peak, sim.peak_at, sim.cost_ms,
+                    budget is None or sim.peak <= budget, method, budget, sim.exposed_ms,
+                    sim.hide_ms, sim)
+
+
+def _base(problem: Problem) -> list[str]:
+    c = problem.candidates
+    return [c.forced_of(i) or "keep" for i in range(len(c))]
+
+
+def solve(problem: Problem, budget_bytes: int | None, *, method: str = "auto",
+          prefetch: str = "auto") -> Solution:
+    """Choose keep / recompute / offload per candidate so the resident peak fits the budget.
+
+    Minimises the estimated added ms. Forced candidates keep their forced choice. If no
+    choice fits, the lowest-peak solution found comes back with ``feasible=False``. ``"milp"``
+    falls back to the greedy (``method_used="greedy"``) when scipy is missing, HiGHS finds no
+    answer, or no answer survives the no-good cuts.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; expected one of {METHODS}")
+    if prefetch not in ("auto", "jit"):
+        raise ValueError(f"prefetch={prefetch!r}; expected 'auto' or 'jit'")
+    if budget_bytes is None:
+        return _finish(problem, _base(problem), None, "greedy" if method == "auto" else method,
+                       prefetch)
+    if method == "brute":
+        return _finish(problem, _brute(problem, budget_bytes, prefetch), budget_bytes, "brute",
+                       prefetch)
+    if method == "milp":
+        choices = _milp(problem, budget_bytes, prefetch)
+        if choices is not None:
+            return _finish(problem, choices, budget_bytes, "milp", prefetch)
+    return greedy_curve(problem, prefetch).solution(budget_bytes)
+
+
+# --- greedy ---------------------------------------------------------------------------------
+
+
+class _CoverIndex:
+    """Entries ``(key, i, kind, version)`` on position intervals; cheapest valid one at t.
+
+    An entry is valid while ``live[2 * i + kind] == version``; stale ones are dropped lazily.
+    """
+
+    def __init__(self, T: int, live: list[int]) -> None:
+        n = 1
+        while n < max(1, T):
+            n *= 2
+        self.n, self.live = n, live
+        self.heaps: list[list[tuple]] = [[] for _ in range(2 * n)]
+
+    def push(self, entry: tuple, lo: int, hi: int, build: bool = False) -> None:
+        add = list.append if build else heapq.heappush  # sorted appends already form heaps
+        lo, hi = lo + self.n, hi + self.n + 1
+        while lo < hi:
+            if lo & 1:
+                add(self.heaps[lo], entry)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                add(self.heaps[hi], entry)
+            lo, hi = lo >> 1, hi >> 1
+
+    def best(self, t: int, pop: bool = False) -> tuple | None:
+        """The cheapest valid entry covering ``t``; with ``pop``, ``(entry, node)`` taken out."""
+        k, found, where, live = t + self.n, None, 0, self.live
+        while k:
+            h = self.heaps[k]
+            while h and live[2 * h[0][1] + h[0][2]] != h[0][3]:
+                heapq.heappop(h)
+            if h and (found is None or h[0] < found):
+                found, where = h[0], k
+            k >>= 1
+        if pop and found is not None:
+            heapq.heappop(self.heaps[where])
+            return found, where
+        return found
+
+
+@dataclass
+class GreedyCurve:
+    """The greedy's budget-independent sequence and its Pareto points."""
+
+    problem: Problem
+    prefetch: str
+    steps: list[tuple[int, str]]  # (candidate, new choice), applied in order
+    points: list[tuple[int, float]]  # (peak, cost) after 0, 1, ... steps
+    frontier: list[int]  # kept point indices: peak falls, cost rises
+
+    def choices_at(self, k: int) -> list[str]:
+        choices = _base(self.problem)
+        for i, ch in self.steps[:k]:
+            choices[i] = ch
+        return choices
+
+    def solution(self, budget: int) -> Solution:
+        k = next((k for k in self.frontier if self.points[k][0] <= budget), self.frontier[-1])
+        return _finish(self.problem, self.choices_at(k), budget, "greedy", self.prefetch)
+
+
+def greedy_curve(problem: Problem, prefetch: str = "auto") -> GreedyCurve:
+    """Build the greedy's sequence once; :meth:`GreedyCurve.solution` answers any budget."""
+    # The build allocates ~1e5 small tuples and no reference cycles; cyclic GC passes over
+    # the large heaps cost a quarter of the run time at 10k candidates.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _greedy_curve(problem, prefetch)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
+    c, n = problem.candidates, len(problem)
+    S, base = problem.prefix_ms(), _base(problem)
+    tr = IncrementalSim(problem, prefetch, base)
+    live = [-1] * (2 * n)  # version of each candidate's valid R (2i) and O (2i+1) entry
+    index = _CoverIndex(problem.timeline.num_positions, live)
+    initial: list[tuple[tuple, int, int]] = []
+    for i in range(n):
+        if c.forced_of(i) is not None or c.bytes[i] <= 0:
+            continue
+        if math.isfinite(c.recompute_ms[i]):
+            initial.append(((c.recompute_ms[i] / c.bytes[i], i, 0, 0), c.produced[i],
+                            c.first_bw_use[i] - 1))
+            live[2 * i] = 0
+        if c.can_offload[i]:
+            done, issue, exp = isolated_offload(problem, S, i, prefetch)
+            key = (exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]) / c.bytes[i]
+            initial.append(((key, i, 1, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
+            live[2 * i + 1] = 0
+    for entry, lo, hi in sorted(initial):
+        if lo <= hi:
+            index.push(entry, lo, hi, build=True)
+
+    def repush(i: int, kind: int, key: float, spans: list[tuple[int, int]]) -> None:
+        v = live[2 * i + kind] = live[2 * i + kind] + 1
+        for lo, hi in spans:
+            if lo <= hi:
+                index.push((key, i, kind, v), lo, hi)
+
+    steps: list[tuple[int, str]] = []
+    points = [(tr.peak, tr.cost)]
+    while True:
+        # On a plateau, work first where the cheapest fix is dearest: the other peak positions
+        # may then come down with it (a cheap item covering one of them would be wasted).
+        tops = [(index.best(t), t) for t in tr.tree.argmaxes(_PLATEAU)]
+        t = min(tops, key=lambda et: (et[0] is not None, -(et[0] or (0.0,))[0], et[1]))[1]
+        opts: list[tuple[tuple, int, float, list[tuple[int, int]]]] = []  # entry, node, ms, frees
+        while len(opts) < _LOOKAHEAD and (got := index.best(t, pop=True)) is not None:
+            e, node = got
+            key, i, kind, _ = e
+            fbu, b = c.first_bw_use[i], c.bytes[i]
+            if kind == 0 and tr.mode[i] == "offload":
+                spans = [(lo, min(hi, fbu - 1)) for lo, hi in tr.res[i] if lo < fbu]
+                if not any(lo <= t <= hi for lo, hi in spans):
+                    repush(i, 0, key, spans)  # not resident at t any more
+                    continue
+                opts.append((e, node, c.recompute_ms[i] + tr.delta_offload(i, False), spans))
+            elif kind == 1:
+                _, done, _, issue = tr.own(i)
+                spans = [(max(c.last_fw_use[i], done) + 1, issue - 1)]
+                exact = tr.delta_offload(i, True)
+                if not spans[0][0] <= t <= spans[0][1] or exact / b > key * (1 + 1e-9) + 1e-15:
+                    repush(i, 1, exact / b, spans)  # price went up or the gap moved
+                    continue
+                opts.append((e, node, exact, spans))
+            else:
+                opts.append((e, node, c.recompute_ms[i], [(c.produced[i], fbu - 1)]))
+        if not opts:
+            break
+        # Of the cheapest-per-byte options, take the one with the least cost per byte of peak
+        # it can remove: freeing bytes below the next level down buys nothing yet. With one
+        # peak position, try each option; on a plateau, cap at the level outside the plateau.
+        peak, ranked, cap = tr.peak, [], 0
+        if 1 < len(tops) < _PLATEAU:  # a cut-off plateau hides no level below
+            for _, u in tops:
+                tr.tree.add(u, u, -_HIDE)
+            cap = peak - tr.peak
+            for _, u in tops:
+                tr.tree.add(u, u, _HIDE)
+        for e, node, dcost, spans in opts:
+            b = c.bytes[e[1]]
+            if len(tops) > 1:
+                useful = min(b, cap)
+            else:
+                for lo, hi in spans:
+                    tr.tree.add(lo, hi, -b)
+                useful = peak - tr.peak
+                for lo, hi in spans:
+                    tr.tree.add(lo, hi, b)
+            ranked.append(((0, dcost / useful) if useful > 0 else (1, 0.0), e))
+            heapq.heappush(index.heaps[node], e)
+        e = min(ranked)[1]
+        i, choice = e[1], "offload" if e[2] == 1 else "recompute"
+        tr.set_offload(i) if choice == "offload" else tr.set_recompute(i)
+        live[2 * i + 1] = -1  # no more keep->offload; recompute ends the R entry too
+        if choice == "recompute":
+            live[2 * i] = -1
+        steps.append((i, choice))
+        points.append((tr.peak, tr.cost))
+    return GreedyCurve(problem, prefetch, steps, points, _frontier(points))
+
+
+def _frontier(points: list[tuple[int, float]]) -> list[int]:
+    """Indices with strictly falling peak and non-decreasing cost; none beaten by an earlier one.
+
+    Walks back from the lowest peak. An earlier point that is no worse on both counts replaces
+    the points after it; one that is worse on both is skipped.
+    """
+    kmin = min(range(len(points)), key=lambda k: (points[k][0], points[k][1], k))
+    stack = [kmin]
+    for k in range(kmin - 1, -1, -1):
+        pk, ck = points[k]
+        while len(stack) > 1 and pk <= points[stack[-1]][0] and ck <= points[stack[-1]][1]:
+            stack.pop()
+        if pk > points[stack[-1]][0] and ck <= points[stack[-1]][1]:
+            stack.append(k)
+    return stack[::-1]
+
+
+# --- exact checkers -------------------------------------------------------------------------
+
+
+def _brute(problem: Problem, budget: int, prefetch: str) -> list[str]:
+    """Every combination: min cost among those that fit, else min peak (ties: min cost)."""
+    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
+    if n > 12:
+        raise ValueError(f"brute force is for n <= 12 candidates, got {n}")
+    S = problem.prefix_ms()
+    fixed = list(problem.timeline.fixed_resident or [0] * T)
+    allowed = [c.allowed(i) for i in range(n)]
+    may_off = [i for i in range(n) if "offload" in allowed[i]]
+    best: tuple | None = None  # (infeasible, cost or peak, peak or cost, choices)
+
+    def vec(spans: list[tuple[int, int]], b: int) -> list[int]:
+        v = [0] * T
+        for lo, hi in spans:
+            for t in range(lo, hi + 1):
+                v[t] += b
+        return v
+
+    kr = {(i, ch): vec(residency(problem, i, ch), c.bytes[i])
+          for i in range(n) for ch in ("keep", "recompute")}
+    for off in product((False, True), repeat=len(may_off)):
+        chosen = [i for i, o in zip(may_off, off, strict=True) if o]
+        if any(allowed[i] == ("offload",) for i in set(may_off) - set(chosen)):
+            continue
+        done, issue, exp = offload_schedule(problem, S, chosen, prefetch)
+        base, cost0 = fixed[:], sum(exp.values())
+        for i in chosen:
+            base = [x + y for x, y in zip(base, vec(residency(problem, i, "offload", done[i],
+                                                              issue[i]), c.bytes[i]), strict=True)]
+            cost0 += OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+        rest = [i for i in range(n) if i not in done]
+        opts = [[ch for ch in ("keep", "recompute") if ch in allowed[i]] for i in rest]
+        for combo in product(*opts):
+            res, cost = base, cost0
+            for i, ch in zip(rest, combo, strict=True):
+                res = [x + y for x, y in zip(res, kr[i, ch], strict=True)]
+                cost += c.recompute_ms[i] if ch == "recompute" else 0.0
+            peak = max(res, default=0)
+            choices = ["offload"] * n
+            for i, ch in zip(rest, combo, strict=True):
+                choices[i] = ch
+            key = (0, cost, peak, choices) if peak <= budget else (1, peak, cost, choices)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    return best[3]
+
+
+def _milp(problem: Problem, budget: int, prefetch: str, time_limit: float = 10.0
+          ) -> list[str] | None:
+    """HiGHS on the isolated-copy model, with no-good cuts until the simulated peak fits.
+
+    Returns None when scipy is missing or no answer fits (the caller then falls back).
+    """
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+    except ImportError:
+        return None
+    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
+    S = problem.prefix_ms()
+    allkeep = simulate(problem, ["keep"] * n, prefetch=prefetch).resident  # type: ignore[arg-type]
+    if n == 0 or max(allkeep, default=0) <= budget:
+        return _base(problem) if simulate(problem, _base(problem)).peak <= budget else None
+    unit = float(2**20) if max(c.bytes) >= 2**20 else 1.0
+    obj, lo, hi = np.zeros(2 * n), np.zeros(2 * n), np.ones(2 * n)
+    spans: list[tuple[int, int]] = []  # variable j frees positions spans[j]
+    for i in range(n):
+        allowed = c.allowed(i)
+        done, issue, exp = isolated_offload(problem, S, i, prefetch)
+        obj[i] = c.recompute_ms[i] if math.isfinite(c.recompute_ms[i]) else 0.0
+        obj[n + i] = exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+        hi[i], hi[n + i] = "recompute" in allowed, "offload" in allowed
+        lo[i], lo[n + i] = allowed == ("recompute",), allowed == ("offload",)
+        spans.append((c.produced[i], c.first_bw_use[i] - 1))
+    for i in range(n):
+        done, issue, _ = isolated_offload(problem, S, i, prefetch)
+        spans.append((max(c.last_fw_use[i], done) + 1, issue - 1))
+    cuts = sorted({0, T, *(s for lo_, hi_ in spans for s in (lo_, hi_ + 1) if lo_ <= hi_)})
+    rows, rhs = [], []
+    for u, v in pairwise(cuts):
+        need = max(allkeep[u:v]) - budget
+        if need > 0 and u < T:
+            rows.append([c.bytes[j % n] / unit if spans[j][0] <= u <= spans[j][1] else 0.0
+                         for j in range(2 * n)])
+            rhs.append(need / unit)
+    one = np.zeros((n, 2 * n))
+    one[np.arange(n), np.arange(n)] = one[np.arange(n), n + np.arange(n)] = 1
+    cons = [LinearConstraint(np.array(rows), np.array(rhs), np.inf), LinearConstraint(one, 0, 1)]
+    for _ in range(50):
+        r = milp(obj, constraints=cons, integrality=np.ones(2 * n), bounds=Bounds(lo, hi),
+                 options={"time_limit": time_limit})
+        if r.x is None:
+            return None
+        x = np.round(r.x).astype(int)
+        choices = ["recompute" if x[i] else "offload" if x[n + i] else "keep" for i in range(n)]
+        if simulate(problem, choices, prefetch=prefetch).peak <= budget:  # type: ignore[arg-type]
+            return choices
+        sign = np.where(x == 1, 1.0, -1.0)  # no-good cut: differ in at least one flag
+        cons.append(LinearConstraint(sign[None, :], -np.inf, x.sum() - 1))
+    return None
