@@ -10,8 +10,9 @@ Methods:
   picks a point of it per budget. Each step looks at the current resident peak: on a plateau,
   the peak position whose cheapest fix is dearest. At that position it takes, of the two
   cheapest options per byte freed (keep→recompute, keep→offload, offload→recompute; ties by
-  index), the one with the least added ms per byte the peak actually falls. Offload prices are
-  exact marginals on the FIFO channels, re-evaluated lazily. Evicted sets only grow along the
+  index), the one with the least added ms per byte of peak it removes (tried; on a plateau,
+  capped at the level below it). Offload prices are exact marginals on the FIFO channels,
+  re-evaluated lazily. Evicted sets only grow along the
   sequence, so they are nested. Its peak is *not* monotone, though: an offload queues on the
   copy channels and can hold another offloaded tensor resident longer. So binary search over
   the prefix length would not be valid. Every point's exact peak and cost are therefore
@@ -23,14 +24,15 @@ Methods:
   point comes back with ``feasible=False``. There is no step that un-evicts unneeded items:
   which items are unneeded depends on the budget, and dropping them would break nesting. The
   Pareto chain is the monotone-safe form of that improvement.
-- ``"milp"`` uses scipy.optimize.milp (HiGHS). Variables are binary recompute/offload flags
-  per candidate (keep = neither). There is one memory row per run of positions with the same
-  covering set whose all-keep residency exceeds the budget. Bytes are scaled to MiB once the
-  tensors are that big (PLANNER_NOTES: raw byte coefficients gave CBC "optimal" answers that
-  broke constraints). Offload residency and exposed time use each candidate's *isolated*
-  figures (no other copy on the channels), so the model is exact when copies do not queue
-  behind each other and optimistic otherwise. Any answer whose simulated peak breaks the
-  budget is cut off with a no-good cut, and the model is solved again.
+- ``"milp"`` uses scipy.optimize.milp (HiGHS, ~10 s limit). Variables are binary recompute and
+  offload flags per candidate (keep = neither). There is one memory row per run of positions
+  with the same covering set whose all-keep residency exceeds the budget. Bytes are scaled to
+  MiB once tensors are that big (PLANNER_NOTES: raw byte coefficients made CBC report
+  "optimal" answers that broke constraints). A linear model can't see FIFO queueing, so each
+  offload gets a per-candidate timing computed independently of the other choices. First it
+  is timed alone: exact when copies don't queue behind each other. If that answer's simulated
+  peak breaks the budget, it is solved again with every offload timed as if all offloadable
+  tensors were offloaded; that answer always fits.
 - ``"brute"``: every combination (n <= 12), the checker for tests.
 - ``"auto"`` is greedy. MILP optima are not nested across budgets (PLANNER_NOTES (d)), and
   monotonicity in the budget is a hard requirement, so the MILP stays a checker.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise, product
@@ -99,8 +102,8 @@ def solve(problem: Problem, budget_bytes: int | None, *, method: str = "auto",
 
     Minimises the estimated added ms. Forced candidates keep their forced choice. If no
     choice fits, the lowest-peak solution found comes back with ``feasible=False``. ``"milp"``
-    falls back to the greedy (``method_used="greedy"``) when scipy is missing, HiGHS finds no
-    answer, or no answer survives the no-good cuts.
+    falls back to the greedy (``method_used="greedy"``) when scipy is missing, the budget
+    can't be met, or HiGHS runs out of time.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {METHODS}")
@@ -359,54 +362,77 @@ def _brute(problem: Problem, budget: int, prefetch: str) -> list[str]:
 
 def _milp(problem: Problem, budget: int, prefetch: str, time_limit: float = 10.0
           ) -> list[str] | None:
-    """HiGHS on the isolated-copy model, with no-good cuts until the simulated peak fits.
+    """HiGHS on the optimistic copy model; if its answer breaks the budget, on the pessimistic one.
 
-    Returns None when scipy is missing or no answer fits (the caller then falls back).
+    Optimistic: each offload timed alone on the channels, the most favourable timing it can
+    get, so the model is exact when copies do not queue and infeasible only if the problem is.
+    Pessimistic: each offload timed as if everything that may be offloaded were, which bounds
+    its residency for any actual set (both FIFO chains are max-plus in the offloaded set). So
+    that answer fits when simulated. Returns None when scipy is missing, the budget can't be
+    met, or HiGHS runs out of time; the caller then falls back to the greedy.
     """
     try:
-        import numpy as np
-        from scipy.optimize import Bounds, LinearConstraint, milp
+        import numpy  # noqa: F401
+        import scipy.optimize  # noqa: F401
     except ImportError:
         return None
-    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
-    S = problem.prefix_ms()
+    n, S = len(problem), problem.prefix_ms()
     allkeep = simulate(problem, ["keep"] * n, prefetch=prefetch).resident  # type: ignore[arg-type]
-    if n == 0 or max(allkeep, default=0) <= budget:
-        return _base(problem) if simulate(problem, _base(problem)).peak <= budget else None
+    if max(allkeep, default=0) <= budget:
+        return _base(problem)
+    if n == 0:
+        return None
+    may_offload = [i for i in range(n) if "offload" in problem.candidates.allowed(i)]
+    done, issue, exposed = offload_schedule(problem, S, may_offload, prefetch)
+    models = ([isolated_offload(problem, S, i, prefetch) for i in range(n)],
+              [(done.get(i, -1), issue.get(i, -1), exposed.get(i, 0.0)) for i in range(n)])
+    deadline = time.monotonic() + time_limit
+    for timing in models:
+        choices = _milp_once(problem, budget, allkeep, timing, deadline - time.monotonic())
+        if choices is None:
+            return None
+        if simulate(problem, choices, prefetch=prefetch).peak <= budget:  # type: ignore[arg-type]
+            return choices
+    return None
+
+
+def _milp_once(problem: Problem, budget: int, allkeep: list[int],
+               timing: list[tuple[int, int, float]], time_limit: float) -> list[str] | None:
+    """One HiGHS solve; ``timing[i]``: offload ``i``'s (d2h_done, prefetch_issue, exposed ms)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
+    if time_limit <= 0:
+        return None
     unit = float(2**20) if max(c.bytes) >= 2**20 else 1.0
     obj, lo, hi = np.zeros(2 * n), np.zeros(2 * n), np.ones(2 * n)
-    spans: list[tuple[int, int]] = []  # variable j frees positions spans[j]
-    for i in range(n):
+    spans: list[tuple[int, int]] = [(0, -1)] * (2 * n)  # flag j frees positions spans[j]
+    for i, (done, issue, exposed) in enumerate(timing):
         allowed = c.allowed(i)
-        done, issue, exp = isolated_offload(problem, S, i, prefetch)
         obj[i] = c.recompute_ms[i] if math.isfinite(c.recompute_ms[i]) else 0.0
-        obj[n + i] = exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+        obj[n + i] = exposed + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
         hi[i], hi[n + i] = "recompute" in allowed, "offload" in allowed
         lo[i], lo[n + i] = allowed == ("recompute",), allowed == ("offload",)
-        spans.append((c.produced[i], c.first_bw_use[i] - 1))
-    for i in range(n):
-        done, issue, _ = isolated_offload(problem, S, i, prefetch)
-        spans.append((max(c.last_fw_use[i], done) + 1, issue - 1))
-    cuts = sorted({0, T, *(s for lo_, hi_ in spans for s in (lo_, hi_ + 1) if lo_ <= hi_)})
+        spans[i] = (c.produced[i], c.first_bw_use[i] - 1)
+        if "offload" in allowed:
+            spans[n + i] = (max(c.last_fw_use[i], done) + 1, issue - 1)
+    # Positions between consecutive span ends share one covering set: keep the tightest row.
+    cuts = sorted({0, T, *(x for a, b in spans if a <= b for x in (a, b + 1))})
     rows, rhs = [], []
     for u, v in pairwise(cuts):
-        need = max(allkeep[u:v]) - budget
-        if need > 0 and u < T:
+        need = max(allkeep[u:v], default=0) - budget
+        if need > 0:
             rows.append([c.bytes[j % n] / unit if spans[j][0] <= u <= spans[j][1] else 0.0
                          for j in range(2 * n)])
             rhs.append(need / unit)
     one = np.zeros((n, 2 * n))
     one[np.arange(n), np.arange(n)] = one[np.arange(n), n + np.arange(n)] = 1
-    cons = [LinearConstraint(np.array(rows), np.array(rhs), np.inf), LinearConstraint(one, 0, 1)]
-    for _ in range(50):
-        r = milp(obj, constraints=cons, integrality=np.ones(2 * n), bounds=Bounds(lo, hi),
-                 options={"time_limit": time_limit})
-        if r.x is None:
-            return None
-        x = np.round(r.x).astype(int)
-        choices = ["recompute" if x[i] else "offload" if x[n + i] else "keep" for i in range(n)]
-        if simulate(problem, choices, prefetch=prefetch).peak <= budget:  # type: ignore[arg-type]
-            return choices
-        sign = np.where(x == 1, 1.0, -1.0)  # no-good cut: differ in at least one flag
-        cons.append(LinearConstraint(sign[None, :], -np.inf, x.sum() - 1))
-    return None
+    r = milp(obj, integrality=np.ones(2 * n), bounds=Bounds(lo, hi),
+             constraints=[LinearConstraint(np.array(rows), np.array(rhs), np.inf),
+                          LinearConstraint(one, 0, 1)],
+             options={"time_limit": time_limit, "mip_rel_gap": 1e-9})
+    if r.x is None:
+        return None
+    x = np.round(r.x).astype(int)
+    return ["recompute" if x[i] else "offload" if x[n + i] else "keep" for i in range(n)]
