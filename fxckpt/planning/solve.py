@@ -60,6 +60,7 @@ from fxckpt.graph.memory import (
 )
 
 METHODS = ("auto", "greedy", "milp", "brute")
+_RECOMPUTE, _OFFLOAD = 0, 1  # kinds of index entries: what the step turns a tensor into
 _HIDE = 1 << 60  # taken off plateau positions to read the level below them
 _PLATEAU = 16  # peak positions compared per greedy step
 _LOOKAHEAD = 2  # cheapest-per-byte options whose actual peak drop is tried per step
@@ -204,21 +205,21 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
     c, n = problem.candidates, len(problem)
     S, base = problem.prefix_ms(), _base(problem)
     tr = IncrementalSim(problem, prefetch, base)
-    live = [-1] * (2 * n)  # version of each candidate's valid R (2i) and O (2i+1) entry
+    live = [-1] * (2 * n)  # version of the valid entry of each (candidate, kind), -1: none
     index = _CoverIndex(problem.timeline.num_positions, live)
     initial: list[tuple[tuple, int, int]] = []
     for i in range(n):
         if c.forced_of(i) is not None or c.bytes[i] <= 0:
             continue
         if math.isfinite(c.recompute_ms[i]):
-            initial.append(((c.recompute_ms[i] / c.bytes[i], i, 0, 0), c.produced[i],
+            initial.append(((c.recompute_ms[i] / c.bytes[i], i, _RECOMPUTE, 0), c.produced[i],
                             c.first_bw_use[i] - 1))
-            live[2 * i] = 0
+            live[2 * i + _RECOMPUTE] = 0
         if c.can_offload[i]:
             done, issue, exp = isolated_offload(problem, S, i, prefetch)
             key = (exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]) / c.bytes[i]
-            initial.append(((key, i, 1, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
-            live[2 * i + 1] = 0
+            initial.append(((key, i, _OFFLOAD, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
+            live[2 * i + _OFFLOAD] = 0
     for entry, lo, hi in sorted(initial):
         if lo <= hi:
             index.push(entry, lo, hi, build=True)
@@ -241,18 +242,18 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
             e, node = got
             key, i, kind, _ = e
             fbu, b = c.first_bw_use[i], c.bytes[i]
-            if kind == 0 and tr.mode[i] == "offload":
+            if kind == _RECOMPUTE and tr.mode[i] == "offload":
                 spans = [(lo, min(hi, fbu - 1)) for lo, hi in tr.res[i] if lo < fbu]
                 if not any(lo <= t <= hi for lo, hi in spans):
-                    repush(i, 0, key, spans)  # not resident at t any more
+                    repush(i, _RECOMPUTE, key, spans)  # not resident at t any more
                     continue
                 opts.append((e, node, c.recompute_ms[i] + tr.delta_offload(i, False), spans))
-            elif kind == 1:
+            elif kind == _OFFLOAD:
                 _, done, _, issue = tr.own(i)
                 spans = [(max(c.last_fw_use[i], done) + 1, issue - 1)]
                 exact = tr.delta_offload(i, True)
                 if not spans[0][0] <= t <= spans[0][1] or exact / b > key * (1 + 1e-9) + 1e-15:
-                    repush(i, 1, exact / b, spans)  # price went up or the gap moved
+                    repush(i, _OFFLOAD, exact / b, spans)  # price went up or the gap moved
                     continue
                 opts.append((e, node, exact, spans))
             else:
@@ -282,11 +283,11 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
             ranked.append(((0, dcost / useful) if useful > 0 else (1, 0.0), e))
             heapq.heappush(index.heaps[node], e)
         e = min(ranked)[1]
-        i, choice = e[1], "offload" if e[2] == 1 else "recompute"
+        i, choice = e[1], "offload" if e[2] == _OFFLOAD else "recompute"
         tr.set_offload(i) if choice == "offload" else tr.set_recompute(i)
-        live[2 * i + 1] = -1  # no more keep->offload; recompute ends the R entry too
+        live[2 * i + _OFFLOAD] = -1  # no more keep->offload; recompute ends both kinds
         if choice == "recompute":
-            live[2 * i] = -1
+            live[2 * i + _RECOMPUTE] = -1
         steps.append((i, choice))
         points.append((tr.peak, tr.cost))
     return GreedyCurve(problem, prefetch, steps, points, _frontier(points))
