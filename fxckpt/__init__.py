@@ -13,12 +13,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 from fxckpt import _torch_compat
-from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
-from fxckpt.options import Options
 
 # Binding the function after the submodule loads makes ``fxckpt.backend`` the factory, not the
 # module ``fxckpt/backend.py`` (the import system sets that attribute only on first load).
 from fxckpt.backend import backend  # noqa: E402
+from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
+
+# Bound after the submodule loads, like backend: fxckpt.inspect is the function (offline planning).
+from fxckpt.inspect import inspect  # noqa: E402
+from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
 from fxckpt.runtime import stats as _stats
@@ -58,6 +61,7 @@ __all__ = [
     "RuntimeCopyError",
     "__version__",
     "backend",
+    "inspect",
     "last_plans",
     "reset_stats",
     "stats",

@@ -25,10 +25,10 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 # Graph hygiene.
 from torch.fx.node import has_side_effect  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 # Offload policies users can return from a selective-checkpoint policy. torch defines them
 # but no torch partitioner reads them (they act as a plain save); fxckpt gives them meaning.

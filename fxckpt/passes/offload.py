@@ -60,7 +60,7 @@ def insert_offloads(
     bw_nodes = {n.name: n for n in bw.graph.nodes}
     bw_position = {n: i for i, n in enumerate(bw.graph.nodes)}
     out = _output(fw)
-    outputs = list(out.args[0])
+    outputs = list(out.args[0])  # type: ignore[arg-type]
     for p in placements:
         src = fw_nodes[p.name]
         val = src.meta["val"]

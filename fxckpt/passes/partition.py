@@ -13,33 +13,39 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.fx as fx
-
 import torch
+import torch.fx as fx
 
 from fxckpt._torch_compat import (
     OFFLOAD_POLICIES,
+    CheckpointPolicy,
     min_cut_rematerialization_partition,
     trace_plan_artifact,
 )
+from fxckpt.errors import BudgetError
 from fxckpt.graph import meta
-from fxckpt.graph.costs import measure_bandwidth, node_cost_ms
-from fxckpt.graph.activations import SavedActivation, saved_activations
+from fxckpt.graph.activations import SavedActivation, bytes_per_storage, saved_activations
 from fxckpt.graph.blocks import find_blocks
+from fxckpt.graph.costs import measure_bandwidth, node_cost_ms
+from fxckpt.graph.memory import Problem, simulate
 from fxckpt.options import Options
+from fxckpt.passes.budget import Storage, build_problem, decide, group_by_storage, reasons
 from fxckpt.passes.offload import insert_note, insert_offloads
 from fxckpt.passes.schedule import place_offloads
 from fxckpt.passes.segment import segment_of, tag_segments
-from fxckpt.runtime.pool import size_class
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
+from fxckpt.planning.solve import Solution
+from fxckpt.runtime.pool import size_class
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +115,75 @@ def partition(
         fw, bw = min_cut(tagged, joint_inputs, **kwargs)
         final = saved_activations(fw, bw, num_fwd_outputs, blocks)
 
-    offloadable = offload_candidates(final, fw, num_fwd_outputs, options)
+    device = _device_of(fw)
+    budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
+    seen = {a.name: a for a in baseline}
+    recompute_reasons: dict[str, str] = {}
+    recompute_flops: dict[str, float] = {}
+    added_ms = 0.0
+    solution = problem = storages = None
     choices: dict[str, Choice] = {}
-    with step(graph_name, "plan"):
-        if options.offload == "all":
-            for a in offloadable:
-                choices[a.storage] = Choice("offload", "offload: offload='all' asks for it")
-        requested = user_offload_requests(tagged)
-        for a in offloadable:
-            if a.name in requested and a.storage not in choices:
-                choices[a.storage] = Choice("offload", "offload: the checkpoint policy asks for it")
-        cap_host_pool(final, choices, options.pinned_pool_bytes, graph_name)
+    for round_ in range(MAX_PLAN_ROUNDS):
+        offloadable = {a.name for a in offload_candidates(final, fw, num_fwd_outputs, options)}
+        storages = group_by_storage(final)
+        forced, forced_why = _forced(storages, offloadable, user_offload_requests(tagged), options)
+        if budget is None and not forced:
+            choices, solution, problem = {}, None, None
+            break
+        with step(graph_name, f"plan round {round_}"):
+            problem, flops = build_problem(
+                storages,
+                fw,
+                step_costs(fw, options.cost_model, device),
+                step_costs(bw, options.cost_model, device),
+                bandwidth_bytes_per_ms(options, device),
+                offloadable=offloadable,
+                forced=forced,
+                allow_recompute=budget is not None,
+                cost_model=options.cost_model,
+                device=device,
+            )
+            solution = decide(problem, budget, options.prefetch)
+            choices = reasons(problem, solution, storages, flops, forced_why, budget)
+        rebuilt = [
+            a for s in storages if choices[s.key].kind == "recompute" for a in s.members
+        ]
+        if not rebuilt:
+            break
+        # A recompute choice is carried out by min-cut itself: tag, re-partition, re-plan.
+        for i, s in enumerate(storages):
+            if choices[s.key].kind == "recompute":
+                added_ms += problem.candidates.recompute_ms[i]
+        for a in rebuilt:
+            recompute_reasons[a.name] = choices[a.storage].reason
+            recompute_flops[a.name] = flops.get(a.name, 0.0)
+            seen.setdefault(a.name, a)
+        _tag_recompute(tagged, {a.name for a in rebuilt})
+        with step(graph_name, "min-cut (re-plan)"):
+            fw, bw = min_cut(tagged, joint_inputs, **kwargs)
+            final = saved_activations(fw, bw, num_fwd_outputs, blocks)
+
+    if solution is not None and problem is not None and storages is not None:
+        if not solution.feasible and budget is not None:
+            _infeasible(graph_name, budget, solution.peak, options)
+        if cap_host_pool(final, choices, options.pinned_pool_bytes, graph_name):
+            solution = _resimulate(problem, storages, choices, options.prefetch, solution)
+        sim = solution.sim
+        index = {s.key: i for i, s in enumerate(storages)}
+        offloaded = [
+            (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
+            for a in final
+            if choices[a.storage].kind == "offload"
+        ]
+        peak: int | None = sim.peak
+        added_ms += sim.cost_ms
+        timeline = _timeline(problem, sim.resident, budget)
+    else:
+        offloaded, peak, timeline = [], None, None
+
     plan = build_plan(
         graph_name,
-        baseline,
+        list(seen.values()),
         final,
         choices,
         segment_of_block={
@@ -130,23 +191,18 @@ def partition(
             for b in blocks.blocks
             if (seg := segment_of(b, stride, width)) is not None
         },
-        budget_bytes=None,
+        recompute_reasons=recompute_reasons,
+        flops=recompute_flops,
+        budget_bytes=budget,
+        resident_peak_bytes=peak,
+        est_overhead_ms=added_ms,
         options=options.to_dict(),
         notes=notes,
     )
-    offloaded = [a for a in final if choices.get(a.storage, _KEEP).kind == "offload"]
+    plan.baseline_saved_bytes = bytes_per_storage(baseline)
+    plan.timeline = timeline
     with step(graph_name, "offload"):
-        device = _device_of(fw)
-        placements = place_offloads(
-            fw,
-            bw,
-            offloaded,
-            fw_step_ms=step_costs(fw, options.cost_model, device),
-            bw_step_ms=step_costs(bw, options.cost_model, device),
-            bytes_per_ms=bandwidth_bytes_per_ms(options, device),
-            jit=options.prefetch == "jit",
-        )
-        fw, bw = insert_offloads(fw, bw, placements)
+        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, offloaded))
         payload = record(plan)
         resident = [a.name for a in final if choices.get(a.storage, _KEEP).kind == "keep"]
         fw = insert_note(fw, resident, payload)
@@ -154,15 +210,84 @@ def partition(
     return fw, bw
 
 
+MAX_PLAN_ROUNDS = 4
+
+
+def _forced(
+    storages: list[Storage], offloadable: set[str], requested: set[str], options: Options
+) -> tuple[dict[str, str], dict[str, str]]:
+    forced: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for s in storages:
+        if not all(a.name in offloadable for a in s.members):
+            continue
+        if options.offload == "all":
+            forced[s.key], why[s.key] = "offload", "offload: offload='all' asks for it"
+        elif any(a.name in requested for a in s.members):
+            forced[s.key], why[s.key] = "offload", "offload: the checkpoint policy asks for it"
+    return forced, why
+
+
+def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _infeasible(graph_name: str, budget: int, smallest: int, options: Options) -> None:
+    hints = []
+    if options.offload == "never":
+        hints.append("offload='auto'")
+    if options.segment_stride == 0:
+        hints.append("segment_stride=1")
+    elif options.segment_width is not None and options.segment_width < options.segment_stride:
+        hints.append(f"segment_width={options.segment_stride}")
+    if options.min_offload_bytes > 0 and options.offload != "never":
+        hints.append("a smaller min_offload_bytes")
+    error = BudgetError(graph_name, budget, smallest, hints)
+    if options.on_infeasible == "raise":
+        raise error
+    warnings.warn(f"{error} Running the smallest plan instead.", stacklevel=2)
+
+
+def _resimulate(
+    problem: Problem, storages: list[Storage], choices: dict[str, Choice], prefetch: str, old: Solution
+) -> Solution:
+    picked = [choices[s.key].kind for s in storages]
+    sim = simulate(problem, picked, prefetch=prefetch)  # type: ignore[arg-type]
+    return dataclasses.replace(
+        old, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms, sim=sim
+    )
+
+
+def _timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200) -> dict[str, Any]:
+    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
+    keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
+    F, T = problem.timeline.num_forward, len(resident)
+    step_ = max(1, math.ceil(T / points))
+    pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
+    return {
+        "forward_end": F // step_,
+        "positions": T,
+        "stride": step_,
+        "baseline": pool(keep_all),
+        "plan": pool(resident),
+        "budget": budget,
+    }
+
+
 _KEEP = Choice("keep", "")
 
 
 def cap_host_pool(
     final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
-) -> None:
-    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``."""
+) -> bool:
+    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``.
+
+    Returns whether any choice changed.
+    """
     if cap is None:
-        return
+        return False
     used, dropped = 0, 0
     seen: set[str] = set()
     for a in sorted(final, key=lambda a: a.produced):
@@ -184,6 +309,7 @@ def cap_host_pool(
             f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
             stacklevel=2,
         )
+    return dropped > 0
 
 
 def offload_candidates(

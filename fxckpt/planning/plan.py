@@ -9,7 +9,7 @@ plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
 
@@ -38,7 +38,7 @@ class Offload:
     kind: DecisionKind = field(default="offload", init=False)
 
 
-Decision = Union[Keep, Recompute, Offload]
+Decision = Keep | Recompute | Offload
 _BY_KIND: dict[str, type[Keep] | type[Recompute] | type[Offload]] = {
     "keep": Keep,
     "recompute": Recompute,

@@ -1,0 +1,324 @@
+"""``fxckpt inspect``: plan a model offline, on meta tensors, and show the plan.
+
+Exit codes: 0 done; 1 planning failed; 2 bad flags, options or target (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+from fxckpt.errors import FxckptError, OptionsError
+
+USAGE_ERROR = 2
+FAILURE = 1
+_FLAG_TO_OPTION = {
+    "budget": "memory_budget",
+    "stride": "segment_stride",
+    "width": "segment_width",
+    "offload": "offload",
+    "min_offload": "min_offload_bytes",
+    "bandwidth": "bandwidth",
+    "cost_model": "cost_model",
+    "blocks": "blocks",
+}
+
+
+class UsageError(Exception):
+    """A bad command line; main() prints it on one line and exits with code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `fxckpt inspect --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fxckpt", description="fxckpt: keep / recompute / offload planning.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "inspect",
+        help="plan a model offline (meta tensors) and show the plan",
+        description="Plan one training step of a model offline, on meta tensors: no weight or "
+        "activation memory is allocated. TARGET is pkg.module:factory or path/model.py:factory "
+        "(imports and runs that code); or use --hf-config.",
+    )
+    p.add_argument("target", nargs="?", metavar="TARGET",
+                   help="pkg.module:factory or path/to/model.py:factory")  # fmt: skip
+    hf = p.add_argument_group("Hugging Face config (reads JSON only, never remote code)")
+    hf.add_argument("--hf-config", metavar="PATH", help="a config.json, or a folder holding one")
+    hf.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    hf.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    hf.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
+    opts = p.add_argument_group("options (as fxckpt.Options)")
+    opts.add_argument("--budget", metavar="B",
+                      help='memory_budget: "24GiB", bytes, a fraction such as 0.5, or none')  # fmt: skip
+    opts.add_argument("--stride", metavar="N", help="segment_stride (0: no segments)")
+    opts.add_argument("--width", metavar="N", help="segment_width (default: the stride)")
+    opts.add_argument("--offload", metavar="MODE", help="auto, never or all")
+    opts.add_argument("--min-offload", metavar="B", help="min_offload_bytes, e.g. 1MiB")
+    opts.add_argument("--bandwidth", metavar="BW", help='host<->device bandwidth, e.g. "25GB/s"')
+    opts.add_argument("--cost-model", metavar="M", help="flops, profile or unit")
+    opts.add_argument("--blocks", metavar="REGEX", help="module paths of the repeated blocks")
+    out = p.add_argument_group("output")
+    out.add_argument("--format", choices=("table", "json"), default="table")
+    out.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
+    out.add_argument("--sweep", metavar="B,B,...",
+                     help="plan once per budget (e.g. 1.0,0.5,0.25,0.1) and show the trade-off")  # fmt: skip
+    out.add_argument("-o", "--output", metavar="PATH", help="write the table or JSON here")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    out.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Flags -> Options
+# --------------------------------------------------------------------------------------------
+
+
+def budget_value(text: str) -> Any:
+    """A ``--budget`` word as Options takes it: none, int bytes, float fraction or a string."""
+    t = text.strip()
+    if t.lower() in ("none", "off"):
+        return None
+    if re.fullmatch(r"\d+", t):
+        return int(t)
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?", t):
+        return float(t)
+    return t
+
+
+def _int_or_text(text: str) -> Any:
+    return int(text) if re.fullmatch(r"[+-]?\d+", text.strip()) else text
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Options fields the flags set, converted as the Python API would receive them."""
+    convert = {"budget": budget_value, "stride": _int_or_text, "width": _int_or_text,
+               "min_offload": _int_or_text}  # fmt: skip
+    out: dict[str, Any] = {}
+    for flag, option in _FLAG_TO_OPTION.items():
+        value = getattr(args, flag)
+        if value is not None:
+            out[option] = convert.get(flag, lambda v: v)(value)
+    return out
+
+
+def sweep_budgets(text: str) -> list[tuple[str, Any]]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UsageError("--sweep needs budgets, e.g. --sweep 1.0,0.5,0.25,0.1")
+    return [(t, budget_value(t)) for t in items]
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+
+def _import_target(spec: str) -> Any:
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UsageError(f"TARGET {spec!r} should be pkg.module:factory or path/model.py:factory")
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise UsageError(f"no such file: {module_part}")
+        name = f"fxckpt_target_{path.stem}"
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise UsageError(f"cannot import {module_part}")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        sys.path.insert(0, str(path.resolve().parent))  # so it can import its neighbours
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as e:
+            raise UsageError(f"cannot import {module_part!r}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"{module_part!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{spec!r} is not callable")
+    return obj
+
+
+def load_factory(spec: str) -> Any:
+    """Import and call a factory on the meta device; returns a :class:`Workload`.
+
+    The factory returns ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or a
+    dict with keys ``model``, ``example_inputs`` and optionally ``loss_fn``. This runs the
+    user's code: TARGET is trusted the way ``python -c "import pkg.module"`` is.
+    """
+    import torch
+
+    from fxckpt.inspect import TargetError, Workload, split_inputs
+
+    factory = _import_target(spec)
+    with torch.device("meta"):
+        made = factory()
+    if isinstance(made, dict):
+        model, inputs, loss_fn = made.get("model"), made.get("example_inputs"), made.get("loss_fn")
+    elif isinstance(made, (tuple, list)) and len(made) in (2, 3):
+        model, inputs, loss_fn = made[0], made[1], made[2] if len(made) == 3 else None
+    else:
+        raise TargetError(f"{spec} should return (model, example_inputs[, loss_fn]); "
+                          f"got {type(made).__name__}")  # fmt: skip
+    if not isinstance(model, torch.nn.Module):
+        raise TargetError(f"{spec} returned a {type(model).__name__} where an nn.Module belongs")
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a training step; a KV cache under dynamo only gets in the way
+    return Workload(model, *split_inputs(inputs), loss_fn, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+class ProgressLine:
+    """One status line on stderr, rewritten in place on a terminal; plain lines otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream, self.enabled = stream, enabled
+        self.tty = enabled and stream.isatty()
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{time.perf_counter() - self.start:6.1f}s] {message}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from fxckpt.inspect import hf_workload, inspect_options, plan_workload
+    from fxckpt.report import json_doc, table
+
+    if (args.target is None) == (args.hf_config is None):
+        raise UsageError("give either TARGET (pkg.module:factory) or --hf-config PATH")
+    if args.sweep and args.html:
+        raise UsageError("--sweep and --html cannot be combined: run them separately")
+    flags = options_from_args(args)
+    budgets = sweep_budgets(args.sweep) if args.sweep else [(args.budget or "none", None)]
+    # Every budget is validated before any work starts.
+    runs = [(label, inspect_options(**({**flags, "memory_budget": v} if args.sweep else flags)))
+            for label, v in budgets]  # fmt: skip
+    progress = ProgressLine(err, not args.quiet)
+    if args.hf_config is not None:
+        _quiet_transformers()
+        progress(f"building the model from {args.hf_config} on the meta device")
+        work = hf_workload(args.hf_config, batch=args.batch, seq=args.seq, dtype=args.dtype)
+        target = f"{args.hf_config}: {work.description}"
+    else:
+        progress(f"importing {args.target}")
+        work = load_factory(args.target)
+        target = args.target
+    results = []
+    for label, opts in runs:
+        if args.sweep:
+            progress(f"budget {label}")
+        results.append(table.SweepRow(label, plan_workload(work, opts, progress=progress)))
+    progress.done()
+    options = runs[0][1].to_dict()
+    sink = open(args.output, "w") if args.output else out  # noqa: SIM115
+    try:
+        if args.sweep and args.format == "json":
+            json.dump(json_doc.sweep_document(results, options, target=target), sink, indent=1)
+            sink.write("\n")
+        elif args.sweep:
+            table.print_sweep(results, sink, heading=f"budget sweep: {target}")
+        elif args.format == "json":
+            json.dump(json_doc.document(results[0].plans, options, target=target), sink, indent=1)
+            sink.write("\n")
+        else:
+            table.print_plans(results[0].plans, sink, heading=target)
+    finally:
+        if sink is not out:
+            sink.close()
+    if args.html:
+        from fxckpt.report.html import render_html
+
+        page = render_html(results[0].plans, options=options, target=target)
+        Path(args.html).write_text(page, encoding="utf-8")
+        if not args.quiet:
+            err.write(f"wrote {args.html}\n")
+    return 0
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # keep the interpreter's final flush quiet
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``fxckpt`` console script."""
+    out, err = sys.stdout, sys.stderr
+    args: argparse.Namespace | None = None
+    try:
+        args = build_parser().parse_args(argv)
+        return run_inspect(args, out, err)
+    except UsageError as e:
+        err.write(f"fxckpt inspect: error: {e}\n")
+        return USAGE_ERROR
+    except FxckptError as e:
+        from fxckpt.inspect import TargetError
+
+        if args is not None and args.traceback:
+            raise
+        code = USAGE_ERROR if isinstance(e, (OptionsError, TargetError)) else FAILURE
+        err.write(f"fxckpt inspect: error: {e}\n")
+        return code
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:  # `fxckpt inspect ... | head`: the reader left; so do we
+        _silence_stdout()
+        return FAILURE
+    except KeyboardInterrupt:
+        err.write("fxckpt inspect: interrupted\n")
+        return 130
+    except Exception as e:
+        if args is not None and args.traceback:
+            raise
+        err.write(f"fxckpt inspect: error: {type(e).__name__}: {e} (rerun with --traceback)\n")
+        return FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

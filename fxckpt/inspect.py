@@ -1,0 +1,417 @@
+"""Offline planning: run fxckpt's partitioner on meta tensors and return its plans.
+
+``inspect(model, example_inputs, memory_budget="24GiB")`` compiles one training step with
+``torch.compile(backend=fxckpt.backend(compiler="eager", ...))`` on the ``meta`` device. The
+partitioner plans during the first call; the compiled graphs then run on meta tensors, which
+have shapes but no data, so no activation or weight memory is ever allocated. The model may be
+built on ``meta`` (see :func:`hf_workload`) or be a real one: real weights are replaced by meta
+stand-ins in a copy and never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from fxckpt.backend import Backend
+from fxckpt.errors import FxckptError, OptionsError
+from fxckpt.options import Options
+from fxckpt.planning.plan import Plan
+from fxckpt.runtime import stats
+
+Progress = Callable[[str], None]
+_WRAPPED = "model"  # the attribute of the wrapper (_Step) that holds the user's model
+
+
+class TargetError(FxckptError, ValueError):
+    """The model to inspect cannot be built: a bad factory, config or example input."""
+
+
+@dataclass
+class Workload:
+    """A model and one step's inputs; ``loss_fn(output)`` turns the output into the loss."""
+
+    model: nn.Module
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_fn: Callable[[Any], Any] | None = None
+    description: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Making meta tensors behave like a GPU's
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _composite_ops_decompose_on_meta() -> Iterator[None]:
+    """Let CompositeImplicitAutograd ops decompose on meta tensors, as they do on real ones.
+
+    torch._meta_registrations registers a Python Meta kernel for some composite ops (nll_loss,
+    var_mean, ...). Under the Python dispatcher, which AOTAutograd enables while tracing the
+    joint graph, that kernel makes ``torch._ops.resolve_key`` see a backend kernel for Meta,
+    so AutogradMeta resolves to the autograd fallback instead of the decomposition: the op gets
+    no gradient and the backward graph comes out empty. Eager meta tensors never consult these
+    kernels, so hiding them while planning changes nothing else.
+    """
+    removed: list[tuple[Any, Any]] = []
+    meta_key = torch._C.DispatchKey.Meta
+    for name in dir(torch.ops.aten):  # the packets loaded so far; the registrations load them
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if meta_key in op.py_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), "CompositeImplicitAutograd"
+            ):
+                removed.append((op, op.py_kernels.pop(meta_key)))
+                op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed:
+            op.py_kernels[meta_key] = kernel
+            op._dispatch_cache.clear()
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def _gpu_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the kernel a CUDA device would pick.
+
+    On meta tensors torch always takes the math path (``_fused_sdp_choice`` has no meta
+    implementation), which saves the S x S attention probabilities: 64 GiB per layer at 32k
+    tokens, a plan no GPU run would have. Flash attention when there is no mask and the dtype
+    is half precision, memory-efficient attention otherwise, as sdpa does on CUDA.
+    """
+    if query.device.type != "meta":
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                     enable_gqa=enable_gqa)  # fmt: skip
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if attn_mask is None and half and query.shape[-1] <= 256:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        bias = torch.zeros_like(attn_mask, dtype=query.dtype)
+        attn_mask = bias.masked_fill(attn_mask.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        shape = (*query.shape[:-1], key.shape[-2])
+        attn_mask = attn_mask.expand(shape)
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    return efficient(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def offline_dispatch() -> Iterator[None]:
+    """While planning on meta tensors: gradients for composite ops, and GPU attention kernels."""
+    F.scaled_dot_product_attention = _gpu_sdpa
+    try:
+        with _composite_ops_decompose_on_meta():
+            yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+
+
+# --------------------------------------------------------------------------------------------
+# Moving a workload to meta
+# --------------------------------------------------------------------------------------------
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` itself when it lives on ``meta``; otherwise a copy whose tensors are meta.
+
+    The copy shares nothing with ``model`` and copies no data: ``copy.deepcopy`` finds a meta
+    stand-in for every parameter and buffer in its memo, which also keeps tied weights tied.
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.device.type == "meta" for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(_meta_like(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo.setdefault(id(b), _meta_like(b))
+    return copy.deepcopy(model, memo)
+
+
+def to_meta(tree: Any) -> Any:
+    """Every tensor in a nested structure of inputs, as a meta tensor of the same layout."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            return _meta_like(x).requires_grad_(x.requires_grad)
+        return x
+
+    return pytree.tree_map(move, tree)
+
+
+class _Step(nn.Module):
+    """``loss_fn(model(...))`` as one module, so the loss is part of the compiled graph.
+
+    The model is always wrapped: dynamo then names submodules from this module's ``self``
+    (``L['self'].model.layers[0]``), whatever decorators the model's own forward carries
+    (Hugging Face's make the root ``L['args'][0]``).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any], Any] | None) -> None:
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self, _WRAPPED)(*args, **kwargs)
+        return out if self.loss_fn is None else self.loss_fn(out)
+
+
+def _unwrap_paths(plan: Plan) -> Plan:
+    """Module paths relative to the user's model, not to the loss wrapper."""
+    prefix = _WRAPPED + "."
+    rows = [
+        replace(a, module=a.module.removeprefix(prefix) if a.module != _WRAPPED else "")
+        for a in plan.activations
+    ]
+    notes = [n.replace(f"'{prefix}", "'") for n in plan.notes]  # "blocks 0..3 under 'layers'"
+    return replace(plan, activations=rows, notes=notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------
+
+
+class _StepProgress(logging.Filter):
+    """Reports each pipeline step the partitioner logs, and keeps the log as it was.
+
+    passes.partition.step logs every step at DEBUG; this filter sees those records while the
+    logger is lowered to DEBUG, then drops the ones the user's logging level would have hidden.
+    """
+
+    def __init__(self, progress: Progress, level: int) -> None:
+        super().__init__()
+        self.progress, self.level = progress, level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.funcName == "step" and isinstance(args, tuple) and len(args) == 3:
+            graph, name, ms = args
+            seconds = float(ms) / 1e3 if isinstance(ms, (int, float)) else 0.0
+            self.progress(f"graph {graph}: {str(name).strip()} done in {seconds:.1f} s")
+        return record.levelno >= self.level
+
+
+@contextlib.contextmanager
+def _report_steps(progress: Progress | None) -> Iterator[None]:
+    if progress is None:
+        yield
+        return
+    logger = logging.getLogger("fxckpt.passes.partition")
+    old_level = logger.level
+    filt = _StepProgress(progress, logger.getEffectiveLevel())
+    logger.addFilter(filt)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeFilter(filt)
+        logger.setLevel(old_level)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------
+
+
+def inspect_options(**options: Any) -> Options:
+    """The Options an offline run uses: ``compiler="eager"``, ``on_infeasible="warn"`` unless set.
+
+    ``memory_budget="auto"`` raises :class:`OptionsError`: there is no device to measure.
+    """
+    merged = {"on_infeasible": "warn", **options, "compiler": "eager"}
+    opts = Options.from_mapping(merged)
+    if opts.memory_budget == "auto":
+        opts.resolve_budget(0, device="meta")  # raises: meta has no free memory to measure
+    return opts
+
+
+def plan_workload(
+    work: Workload, options: Options, *, progress: Progress | None = None
+) -> list[Plan]:
+    """Plan one training step of ``work`` on meta tensors; one Plan per compiled graph."""
+    say = progress or (lambda _msg: None)
+    model = meta_copy(work.model)
+    args, kwargs = to_meta((work.args, work.kwargs))
+    module = _Step(model, work.loss_fn)
+    was_training = module.training
+    module.train()  # plan the training step: dropout and friends as in training
+    torch._dynamo.reset()
+    stats.reset()
+    compiled = torch.compile(module, backend=Backend(options))
+    start = time.perf_counter()
+    say("tracing the model with dynamo")
+    try:
+        with offline_dispatch(), _report_steps(say), torch.device("meta"):
+            compiled(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, FxckptError):
+            raise inner from None
+        raise
+    finally:
+        module.train(was_training)
+        torch._dynamo.reset()
+    plans = [Plan.from_dict(json.loads(p)) for p in stats.plan_payloads() if p]
+    say(f"planned {len(plans)} graph(s) in {time.perf_counter() - start:.1f} s")
+    if not plans:
+        raise TargetError(
+            "nothing to plan: no output of the model requires grad (are its parameters "
+            "frozen, or does it run under torch.no_grad()?)"
+        )
+    return [_unwrap_paths(p) for p in plans]
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) from a tuple or list of arguments, a dict of keyword arguments, or one."""
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def inspect(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+    progress: Progress | None = None,
+    **options: Any,
+) -> list[Plan]:
+    """Plan ``model``'s training step offline and return one :class:`Plan` per graph.
+
+    ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments, or a
+    single tensor. The model's output (or ``loss_fn(output)``) should be the loss; its
+    ``.loss`` attribute is fine too. ``options`` are :class:`fxckpt.Options` fields; the
+    compiler is always ``"eager"``, and ``on_infeasible`` defaults to ``"warn"`` so that a
+    plan over budget is still shown. Nothing runs on real tensors: weights and inputs are
+    replaced by meta tensors of the same shapes.
+    """
+    opts = inspect_options(**options)
+    work = Workload(model, *split_inputs(example_inputs), loss_fn)
+    return plan_workload(work, opts, progress=progress)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face models from a config.json
+# --------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a ``config.json`` or a folder holding one); nothing runs."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise TargetError(f"cannot read the config {str(p)!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise TargetError(f"{str(p)!r} has no 'model_type'; is it a transformers config.json?")
+    return data
+
+
+def hf_workload(
+    path: str | Path, *, batch: int = 1, seq: int = 2048, dtype: str = "bfloat16"
+) -> Workload:
+    """A causal LM built on ``meta`` from a ``config.json``, and token inputs of (batch, seq).
+
+    Only JSON is read: the config class comes from transformers' own registry by
+    ``model_type``, and remote code (``auto_map``) is never loaded.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise TargetError("--hf-config needs transformers: pip install 'fxckpt[hf]'") from None
+    data = read_hf_config(path)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise TargetError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
+    if batch < 1 or seq < 1:
+        raise TargetError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    model_type = data.pop("model_type")
+    data.pop("auto_map", None)  # remote code is never loaded
+    data["use_cache"] = False  # a training step; a KV cache under dynamo only gets in the way
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as e:
+        raise TargetError(f"transformers does not know model_type {model_type!r}: {e}") from None
+    dtype_kw = "dtype" if _hf_takes_dtype(transformers.__version__) else "torch_dtype"
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa", **{dtype_kw: torch_dtype}
+            )
+            ids = torch.zeros(batch, seq, dtype=torch.long)
+    except ValueError as e:
+        raise TargetError(f"cannot build a causal LM from {str(path)!r}: {e}") from None
+    n_params = sum(p.numel() for p in model.parameters())
+    size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.1f}M"
+    desc = f"{type(model).__name__} ({size} params), batch {batch} x seq {seq}, {dtype}"
+    return Workload(model, (), {"input_ids": ids, "labels": ids}, None, desc)
+
+
+def _hf_takes_dtype(version: str) -> bool:
+    """transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (the old name warns since)."""
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (4, 56)
+    except (ValueError, IndexError):
+        return True
+
+
+__all__ = [
+    "OptionsError",
+    "TargetError",
+    "Workload",
+    "hf_workload",
+    "inspect",
+    "inspect_options",
+    "meta_copy",
+    "offline_dispatch",
+    "plan_workload",
+    "split_inputs",
+    "read_hf_config",
+    "to_meta",
+]

@@ -1,0 +1,182 @@
+"""From saved-tensor facts to the solver's numbers, and from its answer to choices with reasons.
+
+One candidate per storage: tensors that share a storage are kept, offloaded or recomputed
+together, since evicting one view of a storage another view keeps frees nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxckpt.graph.activations import SavedActivation
+from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
+from fxckpt.graph.memory import Candidates, Problem, Timeline
+from fxckpt.planning.planner import Choice
+from fxckpt.planning.solve import Solution, solve
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The saved tensors on one storage, as one candidate."""
+
+    key: str
+    members: tuple[SavedActivation, ...]
+
+    @property
+    def bytes(self) -> int:
+        return self.members[0].bytes
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The planner's answer for one graph."""
+
+    choices: dict[str, Choice]  # storage key -> choice
+    solution: Solution
+    storages: list[Storage]
+    recompute_flops: dict[str, float]  # activation name -> FLOPs to rebuild it
+
+
+def group_by_storage(acts: Sequence[SavedActivation]) -> list[Storage]:
+    groups: dict[str, list[SavedActivation]] = {}
+    for a in acts:
+        groups.setdefault(a.storage, []).append(a)
+    return [Storage(k, tuple(v)) for k, v in groups.items()]
+
+
+def _recompute_cost(
+    s: Storage, fw_nodes: dict[str, fx.Node], saved: set[str], cost_model: str, device: torch.device
+) -> tuple[float, float]:
+    """(ms, FLOPs) to rebuild a storage in the backward, or inf when it can't be.
+
+    Only one op deep: the producer's tensor inputs must already be saved or be graph inputs,
+    so recomputing it frees its bytes without making min-cut save something else instead.
+    """
+    ms = flops = 0.0
+    for a in s.members:
+        node = fw_nodes[a.name]
+        if node.op != "call_function" or is_random(node):
+            return math.inf, 0.0
+        for inp in node.all_input_nodes:
+            if inp.op != "placeholder" and inp.name not in saved:
+                return math.inf, 0.0
+        ms += node_cost_ms(node, cost_model, device)
+        flops += node_flops(node) if cost_model != "unit" else 0.0
+    return ms, flops
+
+
+def build_problem(
+    storages: Sequence[Storage],
+    fw: fx.GraphModule,
+    fw_step_ms: Sequence[float],
+    bw_step_ms: Sequence[float],
+    bytes_per_ms: float,
+    *,
+    offloadable: set[str],
+    forced: dict[str, str],
+    allow_recompute: bool,
+    cost_model: str,
+    device: torch.device,
+) -> tuple[Problem, dict[str, float]]:
+    """The solver's view of one graph: a timeline of node costs and one row per storage."""
+    F = len(fw_step_ms)
+    T = F + len(bw_step_ms)
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    saved = {a.name for s in storages for a in s.members}
+    cols: dict[str, list] = {k: [] for k in ("b", "p", "lf", "fb", "lb", "r", "o", "f")}
+    flops: dict[str, float] = {}
+    for s in storages:
+        bw_first = [a.first_bw_use for a in s.members if a.first_bw_use >= 0]
+        bw_last = [a.last_bw_use for a in s.members if a.last_bw_use >= 0]
+        first = F + (min(bw_first) if bw_first else 0)
+        r_ms, r_flops = (
+            _recompute_cost(s, fw_nodes, saved - {a.name for a in s.members}, cost_model, device)
+            if allow_recompute
+            else (math.inf, 0.0)
+        )
+        for a in s.members:
+            flops[a.name] = r_flops / len(s.members)
+        cols["b"].append(s.bytes)
+        cols["p"].append(min(a.produced for a in s.members))
+        cols["lf"].append(max(a.last_fw_use for a in s.members))
+        cols["fb"].append(first)
+        cols["lb"].append(max(F + (max(bw_last) if bw_last else 0), first))
+        cols["r"].append(r_ms)
+        cols["o"].append(all(a.name in offloadable for a in s.members))
+        cols["f"].append(forced.get(s.key))
+    timeline = Timeline(
+        step_ms=[*fw_step_ms, *bw_step_ms],
+        num_forward=F,
+        bandwidth_bytes_per_ms=max(bytes_per_ms, 1e-9),
+    )
+    candidates = Candidates(
+        bytes=cols["b"],
+        produced=cols["p"],
+        last_fw_use=cols["lf"],
+        first_bw_use=cols["fb"],
+        last_bw_use=cols["lb"],
+        recompute_ms=cols["r"],
+        can_offload=cols["o"],
+        forced=cols["f"] if any(f is not None for f in cols["f"]) else None,
+    )
+    assert T == timeline.num_positions
+    return Problem(timeline, candidates), flops
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def reasons(
+    problem: Problem,
+    solution: Solution,
+    storages: Sequence[Storage],
+    flops: dict[str, float],
+    forced_why: dict[str, str],
+    budget: int | None,
+) -> dict[str, Choice]:
+    """One choice per storage, with the numbers behind it."""
+    c = problem.candidates
+    out: dict[str, Choice] = {}
+    for i, s in enumerate(storages):
+        kind = solution.choices[i]
+        if s.key in forced_why and c.forced_of(i) == kind:
+            out[s.key] = Choice(kind, forced_why[s.key])
+            continue
+        if kind == "offload":
+            copy = problem.copy_ms(i)
+            exposed = solution.exposed_ms[i]
+            tail = f"{exposed:.3f} ms exposed" if exposed > 1e-9 else "fully hidden"
+            out[s.key] = Choice(
+                "offload",
+                f"offload: {_size(s.bytes)}, copies {2 * copy:.3f} ms against "
+                f"{solution.hide_ms[i]:.3f} ms of compute ({tail})",
+            )
+        elif kind == "recompute":
+            f = sum(flops.get(a.name, 0.0) for a in s.members)
+            out[s.key] = Choice(
+                "recompute",
+                f"recompute: {_size(s.bytes)} for {f / 1e6:.2f} MFLOP "
+                f"({c.recompute_ms[i]:.3f} ms), cheaper than an exposed copy",
+            )
+        else:
+            if budget is None:
+                why = "keep: no memory_budget asks to evict it"
+            elif not solution.feasible:
+                why = "keep: cannot be evicted (not offloadable, not recomputable)"
+            else:
+                why = f"keep: fits the budget ({_size(solution.peak)} of {_size(budget)})"
+            out[s.key] = Choice("keep", why)
+    return out
+
+
+def decide(problem: Problem, budget: int | None, prefetch: str) -> Solution:
+    return solve(problem, budget, method="auto", prefetch=prefetch)

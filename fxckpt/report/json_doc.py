@@ -1,0 +1,149 @@
+"""Plans as one JSON document (``fxckpt inspect --format json``); docs/cli.md describes it.
+
+:data:`SCHEMA` is the document's JSON Schema. ``version`` changes when a field is removed or
+changes meaning; new fields may appear within a version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fxckpt.planning.plan import Plan
+from fxckpt.report.table import SweepRow, totals
+
+VERSION = 1
+TOTAL_KEYS = ("baseline_saved_bytes", "resident_peak_bytes", "offloaded_bytes",
+              "recomputed_bytes", "recomputed_flops", "host_bytes", "est_overhead_ms")  # fmt: skip
+
+
+def totals_dict(plans: Sequence[Plan]) -> dict[str, Any]:
+    """The ``totals`` object: sums over graphs (the resident peak sum bounds the step's peak)."""
+    t = totals(plans)
+    out: dict[str, Any] = {key: getattr(t, key) for key in TOTAL_KEYS}
+    out["over_budget"] = list(t.over_budget)
+    return out
+
+
+def document(
+    plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = ""
+) -> dict[str, Any]:
+    """``{"version", "fxckpt_version", "target", "options", "graphs", "totals"}``."""
+    from fxckpt import __version__
+
+    return {
+        "version": VERSION,
+        "fxckpt_version": __version__,
+        "target": target,
+        "options": dict(options),
+        "graphs": [p.to_dict() for p in plans],
+        "totals": totals_dict(plans),
+    }
+
+
+def sweep_document(
+    rows: Sequence[SweepRow], options: Mapping[str, Any], *, target: str = ""
+) -> dict[str, Any]:
+    """``--sweep --format json``: per budget, the totals and a one-line record per graph."""
+    from fxckpt import __version__
+
+    return {
+        "version": VERSION,
+        "fxckpt_version": __version__,
+        "target": target,
+        "options": dict(options),
+        "sweep": [
+            {
+                "budget": r.budget,
+                "totals": totals_dict(r.plans),
+                "graphs": [
+                    {k: p.to_dict()[k] for k in ("name", "budget_bytes", *TOTAL_KEYS)}
+                    for p in r.plans
+                ],
+            }
+            for r in rows
+        ],
+    }
+
+
+_INT = {"type": "integer", "minimum": 0}
+_NUM = {"type": "number", "minimum": 0}
+_NAME = {"type": "string"}
+
+ACTIVATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "module", "op", "shape", "dtype", "bytes", "decision", "reason",
+                 "block", "storage", "flops"],  # fmt: skip
+    "properties": {
+        "name": _NAME,
+        "module": _NAME,
+        "op": _NAME,
+        "shape": {"type": "array", "items": {"type": ["integer", "string"]}},
+        "dtype": _NAME,
+        "bytes": _INT,
+        "decision": {"enum": ["keep", "recompute", "offload"]},
+        "reason": _NAME,
+        "block": {"type": ["integer", "null"]},
+        "storage": _NAME,
+        "flops": _NUM,
+    },
+}
+
+TIMELINE_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["forward_end", "baseline", "plan", "budget"],
+    "properties": {
+        "forward_end": _INT,
+        "baseline": {"type": "array", "items": _INT},
+        "plan": {"type": "array", "items": _INT},
+        "budget": {"type": ["integer", "null"]},
+    },
+}
+
+PLAN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "budget_bytes", "baseline_saved_bytes", "resident_peak_bytes",
+                 "kept_bytes", "offloaded_bytes", "recomputed_bytes", "recomputed_flops",
+                 "host_bytes", "est_overhead_ms", "options", "notes", "activations",
+                 "timeline"],  # fmt: skip
+    "properties": {
+        "name": _NAME,
+        "budget_bytes": {"type": ["integer", "null"]},
+        "baseline_saved_bytes": _INT,
+        "resident_peak_bytes": _INT,
+        "kept_bytes": _INT,
+        "offloaded_bytes": _INT,
+        "recomputed_bytes": _INT,
+        "recomputed_flops": _NUM,
+        "host_bytes": _INT,
+        "est_overhead_ms": _NUM,
+        "options": {"type": "object"},
+        "notes": {"type": "array", "items": _NAME},
+        "activations": {"type": "array", "items": ACTIVATION_SCHEMA},
+        "timeline": TIMELINE_SCHEMA,
+    },
+}
+
+TOTALS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [*TOTAL_KEYS, "over_budget"],
+    "properties": {
+        **{k: _NUM if k in ("recomputed_flops", "est_overhead_ms") else _INT for k in TOTAL_KEYS},
+        "over_budget": {"type": "array", "items": _NAME},
+    },
+}
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "fxckpt inspect --format json",
+    "type": "object",
+    "required": ["version", "fxckpt_version", "target", "options", "graphs", "totals"],
+    "properties": {
+        "version": {"const": VERSION},
+        "fxckpt_version": _NAME,
+        "target": _NAME,
+        "options": {"type": "object"},
+        "graphs": {"type": "array", "items": PLAN_SCHEMA},
+        "totals": TOTALS_SCHEMA,
+    },
+}

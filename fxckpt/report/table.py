@@ -1,0 +1,208 @@
+"""Plans as terminal tables: the saved activations of each graph, a summary, and a sweep.
+
+Uses ``rich`` (the ``cli`` extra) when it is installed, plain aligned text otherwise.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from fxckpt.planning.plan import Plan, PlannedActivation
+
+COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
+SWEEP_COLUMNS = ("budget", "budget bytes", "resident peak", "vs baseline", "offloaded",
+                 "recomputed", "est. overhead", "fits")  # fmt: skip
+_STYLE = {"keep": "green", "offload": "cyan", "recompute": "yellow"}
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; powers of 1024, as the budget strings use."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def shape_text(shape: Sequence[Any]) -> str:
+    return "×".join(str(s) for s in shape) if shape else "scalar"
+
+
+def row_cells(a: PlannedActivation) -> tuple[str, ...]:
+    """One table row, in :data:`COLUMNS` order."""
+    return (a.module or "-", a.op, shape_text(a.shape), a.dtype, human_bytes(a.bytes),
+            a.decision.kind, a.decision.reason)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Figures over every graph of a run (see :func:`totals`)."""
+
+    baseline_saved_bytes: int
+    resident_peak_bytes: int
+    offloaded_bytes: int
+    recomputed_bytes: int
+    recomputed_flops: float
+    host_bytes: int
+    est_overhead_ms: float
+    over_budget: tuple[str, ...]  # names of graphs whose resident peak exceeds their budget
+
+
+def totals(plans: Sequence[Plan]) -> Totals:
+    """Sums over graphs.
+
+    The resident peak is the sum of the graphs' peaks: with graph breaks, what an earlier
+    graph saves stays resident while the later graphs run, so the sum bounds the step's peak.
+    """
+    return Totals(
+        baseline_saved_bytes=sum(p.baseline_saved_bytes for p in plans),
+        resident_peak_bytes=sum(p.resident_peak_bytes for p in plans),
+        offloaded_bytes=sum(p.offloaded_bytes for p in plans),
+        recomputed_bytes=sum(p.recomputed_bytes for p in plans),
+        recomputed_flops=sum(p.recomputed_flops for p in plans),
+        host_bytes=sum(p.host_bytes for p in plans),
+        est_overhead_ms=sum(p.est_overhead_ms for p in plans),
+        over_budget=tuple(
+            p.name
+            for p in plans
+            if p.budget_bytes is not None and p.resident_peak_bytes > p.budget_bytes
+        ),
+    )
+
+
+def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
+    """(label, value) lines of the summary under the tables."""
+    t = totals(plans)
+    base = t.baseline_saved_bytes
+
+    def share(n: int) -> str:
+        return f"{human_bytes(n)} ({100 * n / base:.0f}% of baseline)" if base else human_bytes(n)
+
+    budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
+    budget = human_bytes(sum(budgets)) if budgets else "none"
+    items = [
+        ("graphs", str(len(plans))),
+        ("baseline saved (plain min-cut)", human_bytes(base)),
+        ("budget", budget),
+        ("resident peak (plan)", share(t.resident_peak_bytes)),
+        ("offloaded to host", share(t.offloaded_bytes)),
+        ("recomputed", f"{share(t.recomputed_bytes)}, {human_flops(t.recomputed_flops)}"),
+        ("est. added step time", f"{t.est_overhead_ms:.2f} ms"),
+        ("host pool needed", human_bytes(t.host_bytes)),
+    ]
+    if t.over_budget:
+        items.append(("OVER BUDGET", ", ".join(t.over_budget)))
+    return items
+
+
+def graph_title(plan: Plan) -> str:
+    budget = "none" if plan.budget_bytes is None else human_bytes(plan.budget_bytes)
+    return (f"graph {plan.name}: {len(plan.activations)} saved tensors, baseline "
+            f"{human_bytes(plan.baseline_saved_bytes)}, resident peak "
+            f"{human_bytes(plan.resident_peak_bytes)}, budget {budget}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One budget of a ``--sweep`` and what the plans reached under it."""
+
+    budget: str
+    plans: Sequence[Plan]
+
+    def cells(self) -> tuple[str, ...]:
+        t = totals(self.plans)
+        budgets = [p.budget_bytes for p in self.plans if p.budget_bytes is not None]
+        pct = 100 * t.resident_peak_bytes / t.baseline_saved_bytes if t.baseline_saved_bytes else 0
+        return (self.budget, human_bytes(sum(budgets)) if budgets else "none",
+                human_bytes(t.resident_peak_bytes), f"{pct:.0f}%", human_bytes(t.offloaded_bytes),
+                human_bytes(t.recomputed_bytes), f"{t.est_overhead_ms:.2f} ms",
+                "no" if t.over_budget else "yes")  # fmt: skip
+
+
+def _console(out: TextIO) -> Any:
+    from rich.console import Console
+
+    # Piped output has no terminal width; 80 columns would fold every reason into slivers.
+    width = None if out.isatty() else 200
+    return Console(file=out, width=width, highlight=False, soft_wrap=False)
+
+
+def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "") -> None:
+    """A table of saved activations per graph, then the summary."""
+    try:
+        from rich import box
+        from rich.table import Table
+    except ImportError:
+        out.write(plain_plans(plans, heading=heading))
+        return
+    console = _console(out)
+    if heading:
+        console.print(f"[bold]{heading}[/bold]")
+    for plan in plans:
+        table = Table(title=graph_title(plan), box=box.SIMPLE_HEAD, title_justify="left")
+        for col in COLUMNS:
+            table.add_column(col, justify="right" if col == "size" else "left",
+                             overflow="fold", no_wrap=col in ("op", "size", "decision"))  # fmt: skip
+        for a in plan.activations:
+            cells = list(row_cells(a))
+            cells[5] = f"[{_STYLE[a.decision.kind]}]{cells[5]}[/]"
+            table.add_row(*cells)
+        console.print(table)
+        for note in plan.notes:
+            console.print(f"  note: {note}", markup=False)
+    summary = Table(title="summary", show_header=False, box=box.ROUNDED, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column()
+    for label, value in summary_items(plans):
+        style = "bold red" if label == "OVER BUDGET" else ""
+        summary.add_row(label, value, style=style)
+    console.print(summary)
+
+
+def print_sweep(rows: Sequence[SweepRow], out: TextIO, *, heading: str = "") -> None:
+    """Budget -> resident peak and estimated overhead, one row per budget (the Pareto view)."""
+    try:
+        from rich import box
+        from rich.table import Table
+    except ImportError:
+        out.write(_plain(SWEEP_COLUMNS, [r.cells() for r in rows], heading))
+        return
+    table = Table(title=heading or "budget sweep", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in SWEEP_COLUMNS:
+        table.add_column(col, justify="left" if col == "budget" else "right")
+    for r in rows:
+        table.add_row(*r.cells(), style="red" if r.cells()[-1] == "no" else "")
+    _console(out).print(table)
+
+
+def plain_plans(plans: Sequence[Plan], *, heading: str = "") -> str:
+    """The same tables as plain text, for terminals without ``rich``."""
+    buf = io.StringIO()
+    if heading:
+        buf.write(heading + "\n")
+    for plan in plans:
+        buf.write(_plain(COLUMNS, [row_cells(a) for a in plan.activations], graph_title(plan)))
+        for note in plan.notes:
+            buf.write(f"  note: {note}\n")
+    buf.write(_plain(("summary", ""), summary_items(plans), ""))
+    return buf.getvalue()
+
+
+def _plain(header: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> str:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+    lines = [title] if title else []
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines) + "\n\n"
