@@ -12,6 +12,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -277,6 +278,13 @@ def _quiet_transformers() -> None:
         pass
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    # The planner warns when a budget cannot be met; a file name and a source line would only
+    # bury the message, which already names the graph and the way out.
+    text = str(message).removeprefix("fxckpt: ")
+    sys.stderr.write(f"fxckpt inspect: warning: {text}\n")
+
+
 def _silence_stdout() -> None:
     import os
 
@@ -293,7 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = build_parser().parse_args(argv)
-        return run_inspect(args, out, err)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            return run_inspect(args, out, err)
     except UsageError as e:
         err.write(f"fxckpt inspect: error: {e}\n")
         return USAGE_ERROR

@@ -13,7 +13,14 @@ from html import escape
 from typing import Any
 
 from fxckpt.planning.plan import Plan
-from fxckpt.report.table import COLUMNS, graph_title, human_bytes, row_cells, summary_items
+from fxckpt.report.table import (
+    COLUMNS,
+    graph_title,
+    human_bytes,
+    largest_kept,
+    row_cells,
+    summary_items,
+)
 
 W, H = 1000, 330  # SVG viewBox
 LEFT, RIGHT, TOP, BOTTOM = 92, 16, 30, 46
@@ -241,6 +248,13 @@ def render_html(
     body = [f"<h1>{escape(heading)}</h1>",
             f'<div class="muted">options: {escape(opts)}</div>',
             f'<h2>summary</h2><table class="summary">{summary}</table>']  # fmt: skip
+    kept = largest_kept(plans)
+    if kept:
+        items = "".join(f"<li><b>{escape(human_bytes(a.bytes))}</b> {escape(a.module or '-')} "
+                        f"{escape(a.op)} {escape(' × '.join(map(str, a.shape)))} {escape(a.dtype)}"
+                        f' <span class="muted">({escape(a.decision.reason)})</span></li>'
+                        for a in kept)  # fmt: skip
+        body.append(f"<h2>largest tensors kept on the device</h2><ul>{items}</ul>")
     for plan in plans:
         name = graph_title(plan)
         body.append(f"<h2>{escape(name)}</h2>")

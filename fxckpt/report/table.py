@@ -101,9 +101,19 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("est. added step time", f"{t.est_overhead_ms:.2f} ms"),
         ("host pool needed", human_bytes(t.host_bytes)),
     ]
-    if t.over_budget:
-        items.append(("OVER BUDGET", ", ".join(t.over_budget)))
+    for p in plans:
+        if p.name in t.over_budget and p.budget_bytes is not None:
+            items.append(("OVER BUDGET", f"graph {p.name} peaks at "
+                          f"{human_bytes(p.resident_peak_bytes)} > {human_bytes(p.budget_bytes)}; "
+                          "showing the smallest plan found"))  # fmt: skip
     return items
+
+
+def largest_kept(plans: Sequence[Plan], n: int = 5) -> list[PlannedActivation]:
+    """The ``n`` biggest tensors the plans keep on the device: what stands between a plan and a
+    lower peak."""
+    kept = [a for p in plans for a in p.activations if a.decision.kind == "keep"]
+    return sorted(kept, key=lambda a: -a.bytes)[:n]
 
 
 def graph_title(plan: Plan) -> str:
