@@ -6,18 +6,26 @@ together, since evicting one view of a storage another view keeps frees nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from fxckpt._torch_compat import OFFLOAD_POLICIES, CheckpointPolicy
+from fxckpt.errors import BudgetError
+from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
-from fxckpt.graph.memory import Candidates, Problem, Timeline
+from fxckpt.graph.costs import is_random, measure_bandwidth, node_cost_ms, node_flops
+from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
+from fxckpt.options import Options
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution, solve
+from fxckpt.runtime.pool import size_class
 
 
 @dataclass(frozen=True)
@@ -170,8 +178,10 @@ def reasons(
         else:
             if budget is None:
                 why = "keep: no memory_budget asks to evict it"
+            elif c.allowed(i) == ("keep",):
+                why = "keep: neither offloadable nor recomputable here"
             elif not solution.feasible:
-                why = "keep: cannot be evicted (not offloadable, not recomputable)"
+                why = "keep: evicting it would not lower the resident peak"
             else:
                 why = f"keep: fits the budget ({_size(solution.peak)} of {_size(budget)})"
             out[s.key] = Choice("keep", why)
@@ -180,3 +190,172 @@ def reasons(
 
 def decide(problem: Problem, budget: int | None, prefetch: str) -> Solution:
     return solve(problem, budget, method="auto", prefetch=prefetch)
+
+
+def _forced(
+    storages: list[Storage], offloadable: set[str], requested: set[str], options: Options
+) -> tuple[dict[str, str], dict[str, str]]:
+    forced: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for s in storages:
+        if not all(a.name in offloadable for a in s.members):
+            continue
+        if options.offload == "all":
+            forced[s.key], why[s.key] = "offload", "offload: offload='all' asks for it"
+        elif any(a.name in requested for a in s.members):
+            forced[s.key], why[s.key] = "offload", "offload: the checkpoint policy asks for it"
+    return forced, why
+
+
+def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _infeasible(graph_name: str, budget: int, smallest: int, options: Options) -> None:
+    hints = []
+    if options.offload == "never":
+        hints.append("offload='auto'")
+    if options.segment_stride == 0:
+        hints.append("segment_stride=1")
+    elif options.segment_width is not None and options.segment_width < options.segment_stride:
+        hints.append(f"segment_width={options.segment_stride}")
+    if options.min_offload_bytes > 0 and options.offload != "never":
+        hints.append("a smaller min_offload_bytes")
+    error = BudgetError(graph_name, budget, smallest, hints)
+    if options.on_infeasible == "raise":
+        raise error
+    warnings.warn(f"{error} Running the smallest plan instead.", stacklevel=2)
+
+
+def _resimulate(
+    problem: Problem, storages: list[Storage], choices: dict[str, Choice], prefetch: str, old: Solution
+) -> Solution:
+    picked = [choices[s.key].kind for s in storages]
+    sim = simulate(problem, picked, prefetch=prefetch)  # type: ignore[arg-type]
+    return dataclasses.replace(
+        old, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms, sim=sim
+    )
+
+
+def _timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200) -> dict[str, Any]:
+    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
+    keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
+    F, T = problem.timeline.num_forward, len(resident)
+    step_ = max(1, math.ceil(T / points))
+    pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
+    return {
+        "forward_end": F // step_,
+        "positions": T,
+        "stride": step_,
+        "baseline": pool(keep_all),
+        "plan": pool(resident),
+        "budget": budget,
+    }
+
+
+_KEEP = Choice("keep", "")
+
+
+def cap_host_pool(
+    final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
+) -> bool:
+    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``.
+
+    Returns whether any choice changed.
+    """
+    if cap is None:
+        return False
+    used, dropped = 0, 0
+    seen: set[str] = set()
+    for a in sorted(final, key=lambda a: a.produced):
+        choice = choices.get(a.storage)
+        if choice is None or choice.kind != "offload" or a.storage in seen:
+            continue
+        seen.add(a.storage)
+        need = size_class(a.bytes)  # what the pool will really hand out
+        if used + need <= cap:
+            used += need
+            continue
+        choices[a.storage] = Choice(
+            "keep", f"keep: the host pool is full (pinned_pool_bytes={cap}, {used} B in use)"
+        )
+        dropped += 1
+    if dropped:
+        warnings.warn(
+            f"fxckpt[{graph_name}]: pinned_pool_bytes={cap} holds {used} B of offloads; "
+            f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
+            stacklevel=2,
+        )
+    return dropped > 0
+
+
+def offload_candidates(
+    final: list[SavedActivation], fw: fx.GraphModule, num_fwd_outputs: int, options: Options
+) -> list[SavedActivation]:
+    """Saved activations the runtime may offload.
+
+    Never model outputs (the user holds them), never tensors with symbolic sizes (the
+    restore op needs concrete sizes), never tensors below ``min_offload_bytes``.
+    """
+    if options.offload == "never":
+        return []
+    out = fw.graph.find_nodes(op="output")[0]
+    user_outputs = {v.name for v in out.args[0][:num_fwd_outputs] if isinstance(v, fx.Node)}
+    nodes = {n.name: n for n in fw.graph.nodes}
+    result = []
+    for a in final:
+        val = nodes[a.name].meta["val"]
+        if a.name in user_outputs or a.first_bw_use < 0 or a.bytes < options.min_offload_bytes:
+            continue
+        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+            continue
+        result.append(a)
+    return result
+
+
+def user_offload_requests(joint: fx.GraphModule) -> set[str]:
+    """Names of nodes a user's selective-checkpoint policy asked to offload.
+
+    torch defines ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` but no torch partitioner reads
+    them; fxckpt does.
+    """
+    return {
+        n.name for n in joint.graph.nodes if n.meta.get(meta.RECOMPUTE) in OFFLOAD_POLICIES
+    }
+
+
+def _device_of(gm: fx.GraphModule) -> torch.device:
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
+            return val.device
+    return torch.device("cpu")
+
+
+def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> list[float]:
+    """Estimated compute milliseconds of each node of ``gm``, in graph order."""
+    return [
+        node_cost_ms(n, cost_model, device) if n.op == "call_function" else 0.0
+        for n in gm.graph.nodes
+    ]
+
+
+def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
+    if options.bandwidth is not None:
+        return float(options.bandwidth) / 1e3
+    if options.cost_model == "unit":
+        return 1e6  # deterministic: 1 MB per unit step
+    return measure_bandwidth(device)
+
+
+
+
+def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.device) -> float:
+    """Estimated time the backward spends recomputing segment interiors."""
+    return sum(
+        node_cost_ms(n, cost_model, device)
+        for n in tagged.graph.nodes
+        if n.op == "call_function" and meta.SEGMENT in n.meta
+    )

@@ -16,9 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,26 +24,39 @@ import torch
 import torch.fx as fx
 
 from fxckpt._torch_compat import (
-    OFFLOAD_POLICIES,
-    CheckpointPolicy,
     min_cut_rematerialization_partition,
     trace_plan_artifact,
 )
-from fxckpt.errors import BudgetError
-from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation, bytes_per_storage, saved_activations
-from fxckpt.graph.blocks import find_blocks
-from fxckpt.graph.costs import measure_bandwidth, node_cost_ms
-from fxckpt.graph.memory import Problem, simulate
+from fxckpt.graph.blocks import BlockFacts, find_blocks
+from fxckpt.graph.memory import Problem
 from fxckpt.options import Options
-from fxckpt.passes.budget import Storage, build_problem, decide, group_by_storage, reasons
+from fxckpt.passes.budget import (
+    _KEEP,
+    Storage,
+    _device_of,
+    _forced,
+    _infeasible,
+    _resimulate,
+    _tag_recompute,
+    _timeline,
+    bandwidth_bytes_per_ms,
+    build_problem,
+    cap_host_pool,
+    decide,
+    group_by_storage,
+    offload_candidates,
+    reasons,
+    segment_recompute_ms,
+    step_costs,
+    user_offload_requests,
+)
 from fxckpt.passes.offload import insert_note, insert_offloads
 from fxckpt.passes.schedule import place_offloads
 from fxckpt.passes.segment import segment_of, tag_segments
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
 from fxckpt.planning.solve import Solution
-from fxckpt.runtime.pool import size_class
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +85,30 @@ def clone_joint(joint: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(joint, graph)
 
 
-def min_cut(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> GraphPair:
+def min_cut(joint: fx.GraphModule, *, joint_inputs: Any, **kwargs: Any) -> GraphPair:
     fw, bw = min_cut_rematerialization_partition(clone_joint(joint), joint_inputs, **kwargs)
     return fw, bw
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One partition of the joint graph and the planner's answer for it."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    final: list[SavedActivation]
+    choices: dict[str, Choice]
+    solution: Solution | None = None
+    problem: Problem | None = None
+    storages: list[Storage] | None = None
+    rebuilt: dict[str, SavedActivation] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    recompute_ms: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return self.solution is None or self.solution.feasible
 
 
 def partition(
@@ -92,50 +124,106 @@ def partition(
     """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan."""
     kwargs["num_fwd_outputs"] = num_fwd_outputs
 
+    def cut(gm: fx.GraphModule) -> GraphPair:
+        return min_cut(gm, joint_inputs=joint_inputs, **kwargs)
+
     with step(graph_name, "blocks"):
         blocks = find_blocks(joint, options.blocks)
     with step(graph_name, "baseline min-cut"):
-        base_fw, base_bw = min_cut(joint, joint_inputs, **kwargs)
+        base_fw, base_bw = cut(joint)
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
+    device = _device_of(base_fw)
+    budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
 
     stride = options.segment_stride
     width = options.segment_width if options.segment_width is not None else stride
-    tagged = clone_joint(joint)
-    with step(graph_name, "segment"):
-        report = tag_segments(tagged, blocks, stride, width)
-    notes: list[str] = []
-    if stride > 0 and not blocks.index_of:
-        notes.append("no repeated blocks found: planned without segments")
-    elif blocks.index_of:
-        notes.append(f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}")
+    segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
+    notes = _notes(blocks, stride)
+    # A budget that offload alone cannot meet recomputes more blocks, in a fixed order, so a
+    # smaller budget only ever moves further along it (the resident peak stays monotone).
+    for extra in _extra_segment_steps(blocks.blocks, segments, budget, options):
+        tagged = clone_joint(joint)
+        with step(graph_name, "segment"):
+            report = tag_segments(tagged, blocks, stride, width, extra_blocks=extra)
+        attempt = _plan(tagged, cut, blocks, options, budget, device, graph_name, num_fwd_outputs)
+        if attempt.feasible:
+            break
+    if extra:
+        segments.update({b: -1 for b in extra})
+        notes.append(f"recomputes blocks {sorted(extra)} to meet the budget")
     if report.kept_random:
         notes.append(f"{report.kept_random} random ops inside segments stay saved")
 
-    with step(graph_name, "min-cut"):
-        fw, bw = min_cut(tagged, joint_inputs, **kwargs)
-        final = saved_activations(fw, bw, num_fwd_outputs, blocks)
-
-    device = _device_of(fw)
-    budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
+    peak = timeline = None
+    if attempt.solution is not None and attempt.problem is not None:
+        if budget is not None and not attempt.solution.feasible:
+            _infeasible(graph_name, budget, attempt.solution.peak, options)
+        if cap_host_pool(attempt.final, attempt.choices, options.pinned_pool_bytes, graph_name):
+            attempt.solution = _resimulate(
+                attempt.problem, attempt.storages or [], attempt.choices, options.prefetch, attempt.solution
+            )
+        peak = attempt.solution.sim.peak
+        timeline = _timeline(attempt.problem, attempt.solution.sim.resident, budget)
     seen = {a.name: a for a in baseline}
-    recompute_reasons: dict[str, str] = {}
-    recompute_flops: dict[str, float] = {}
-    added_ms = 0.0
-    solution = problem = storages = None
-    choices: dict[str, Choice] = {}
+    for name, a in attempt.rebuilt.items():
+        seen.setdefault(name, a)
+    plan = build_plan(
+        graph_name,
+        list(seen.values()),
+        attempt.final,
+        attempt.choices,
+        segment_of_block=segments,
+        recompute_reasons=attempt.reasons,
+        flops=attempt.flops,
+        budget_bytes=budget,
+        resident_peak_bytes=peak,
+        est_overhead_ms=segment_recompute_ms(tagged, options.cost_model, device)
+        + attempt.recompute_ms
+        + (attempt.solution.cost_ms if attempt.solution else 0.0),
+        options=options.to_dict(),
+        notes=notes,
+    )
+    plan.baseline_saved_bytes = bytes_per_storage(baseline)
+    plan.timeline = timeline
+    fw, bw = attempt.fw, attempt.bw
+    with step(graph_name, "offload"):
+        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
+        payload = record(plan)
+        resident = [a.name for a in attempt.final if attempt.choices.get(a.storage, _KEEP).kind == "keep"]
+        fw = insert_note(fw, resident, payload)
+    _log_plan(plan)
+    return fw, bw
+
+
+MAX_PLAN_ROUNDS = 4
+
+
+def _plan(
+    tagged: fx.GraphModule,
+    cut: Callable[[fx.GraphModule], GraphPair],
+    blocks: BlockFacts,
+    options: Options,
+    budget: int | None,
+    device: torch.device,
+    graph_name: str,
+    num_fwd_outputs: int,
+) -> Attempt:
+    """Partition, then plan; recompute choices re-tag the joint graph and partition again."""
+    with step(graph_name, "min-cut"):
+        fw, bw = cut(tagged)
+        attempt = Attempt(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks), {})
     for round_ in range(MAX_PLAN_ROUNDS):
-        offloadable = {a.name for a in offload_candidates(final, fw, num_fwd_outputs, options)}
-        storages = group_by_storage(final)
+        offloadable = {a.name for a in offload_candidates(attempt.final, attempt.fw, num_fwd_outputs, options)}
+        storages = group_by_storage(attempt.final)
         forced, forced_why = _forced(storages, offloadable, user_offload_requests(tagged), options)
         if budget is None and not forced:
-            choices, solution, problem = {}, None, None
-            break
+            return attempt
         with step(graph_name, f"plan round {round_}"):
             problem, flops = build_problem(
                 storages,
-                fw,
-                step_costs(fw, options.cost_model, device),
-                step_costs(bw, options.cost_model, device),
+                attempt.fw,
+                step_costs(attempt.fw, options.cost_model, device),
+                step_costs(attempt.bw, options.cost_model, device),
                 bandwidth_bytes_per_ms(options, device),
                 offloadable=offloadable,
                 forced=forced,
@@ -145,233 +233,65 @@ def partition(
             )
             solution = decide(problem, budget, options.prefetch)
             choices = reasons(problem, solution, storages, flops, forced_why, budget)
-        rebuilt = [
-            a for s in storages if choices[s.key].kind == "recompute" for a in s.members
-        ]
-        if not rebuilt:
-            break
-        # A recompute choice is carried out by min-cut itself: tag, re-partition, re-plan.
-        for i, s in enumerate(storages):
-            if choices[s.key].kind == "recompute":
-                added_ms += problem.candidates.recompute_ms[i]
+        attempt.choices, attempt.solution, attempt.problem, attempt.storages = (
+            choices, solution, problem, storages
+        )
+        rebuilt = [a for s in storages if choices[s.key].kind == "recompute" for a in s.members]
+        if not rebuilt or round_ == MAX_PLAN_ROUNDS - 1:
+            return attempt
+        # min-cut carries out recompute choices itself: tag them, partition again, re-plan.
+        attempt.recompute_ms += sum(
+            problem.candidates.recompute_ms[i]
+            for i, s in enumerate(storages)
+            if choices[s.key].kind == "recompute"
+        )
         for a in rebuilt:
-            recompute_reasons[a.name] = choices[a.storage].reason
-            recompute_flops[a.name] = flops.get(a.name, 0.0)
-            seen.setdefault(a.name, a)
+            attempt.reasons[a.name] = choices[a.storage].reason
+            attempt.flops[a.name] = flops.get(a.name, 0.0)
+            attempt.rebuilt[a.name] = a
         _tag_recompute(tagged, {a.name for a in rebuilt})
         with step(graph_name, "min-cut (re-plan)"):
-            fw, bw = min_cut(tagged, joint_inputs, **kwargs)
-            final = saved_activations(fw, bw, num_fwd_outputs, blocks)
-
-    if solution is not None and problem is not None and storages is not None:
-        if not solution.feasible and budget is not None:
-            _infeasible(graph_name, budget, solution.peak, options)
-        if cap_host_pool(final, choices, options.pinned_pool_bytes, graph_name):
-            solution = _resimulate(problem, storages, choices, options.prefetch, solution)
-        sim = solution.sim
-        index = {s.key: i for i, s in enumerate(storages)}
-        offloaded = [
-            (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
-            for a in final
-            if choices[a.storage].kind == "offload"
-        ]
-        peak: int | None = sim.peak
-        added_ms += sim.cost_ms
-        timeline = _timeline(problem, sim.resident, budget)
-    else:
-        offloaded, peak, timeline = [], None, None
-
-    plan = build_plan(
-        graph_name,
-        list(seen.values()),
-        final,
-        choices,
-        segment_of_block={
-            b: seg
-            for b in blocks.blocks
-            if (seg := segment_of(b, stride, width)) is not None
-        },
-        recompute_reasons=recompute_reasons,
-        flops=recompute_flops,
-        budget_bytes=budget,
-        resident_peak_bytes=peak,
-        est_overhead_ms=added_ms,
-        options=options.to_dict(),
-        notes=notes,
-    )
-    plan.baseline_saved_bytes = bytes_per_storage(baseline)
-    plan.timeline = timeline
-    with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, offloaded))
-        payload = record(plan)
-        resident = [a.name for a in final if choices.get(a.storage, _KEEP).kind == "keep"]
-        fw = insert_note(fw, resident, payload)
-    _log_plan(plan, final)
-    return fw, bw
+            attempt.fw, attempt.bw = cut(tagged)
+            attempt.final = saved_activations(attempt.fw, attempt.bw, num_fwd_outputs, blocks)
+    return attempt
 
 
-MAX_PLAN_ROUNDS = 4
+def _extra_segment_steps(
+    blocks: tuple[int, ...], segments: dict[int, int], budget: int | None, options: Options
+) -> Iterator[frozenset[int]]:
+    """Blocks to recompute on top of the user's segments: none, then every other free block,
+    then every free block. Only with a budget and no stride of the user's own."""
+    yield frozenset()
+    if budget is None or options.segment_stride > 0:
+        return
+    free = [b for b in blocks if b not in segments]
+    if len(free) > 1:
+        yield frozenset(free[::2])
+    if free:
+        yield frozenset(free)
 
 
-def _forced(
-    storages: list[Storage], offloadable: set[str], requested: set[str], options: Options
-) -> tuple[dict[str, str], dict[str, str]]:
-    forced: dict[str, str] = {}
-    why: dict[str, str] = {}
-    for s in storages:
-        if not all(a.name in offloadable for a in s.members):
-            continue
-        if options.offload == "all":
-            forced[s.key], why[s.key] = "offload", "offload: offload='all' asks for it"
-        elif any(a.name in requested for a in s.members):
-            forced[s.key], why[s.key] = "offload", "offload: the checkpoint policy asks for it"
-    return forced, why
-
-
-def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
-    for node in joint.graph.nodes:
-        if node.name in names:
-            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _infeasible(graph_name: str, budget: int, smallest: int, options: Options) -> None:
-    hints = []
-    if options.offload == "never":
-        hints.append("offload='auto'")
-    if options.segment_stride == 0:
-        hints.append("segment_stride=1")
-    elif options.segment_width is not None and options.segment_width < options.segment_stride:
-        hints.append(f"segment_width={options.segment_stride}")
-    if options.min_offload_bytes > 0 and options.offload != "never":
-        hints.append("a smaller min_offload_bytes")
-    error = BudgetError(graph_name, budget, smallest, hints)
-    if options.on_infeasible == "raise":
-        raise error
-    warnings.warn(f"{error} Running the smallest plan instead.", stacklevel=2)
-
-
-def _resimulate(
-    problem: Problem, storages: list[Storage], choices: dict[str, Choice], prefetch: str, old: Solution
-) -> Solution:
-    picked = [choices[s.key].kind for s in storages]
-    sim = simulate(problem, picked, prefetch=prefetch)  # type: ignore[arg-type]
-    return dataclasses.replace(
-        old, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms, sim=sim
-    )
-
-
-def _timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200) -> dict[str, Any]:
-    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
-    keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
-    F, T = problem.timeline.num_forward, len(resident)
-    step_ = max(1, math.ceil(T / points))
-    pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
-    return {
-        "forward_end": F // step_,
-        "positions": T,
-        "stride": step_,
-        "baseline": pool(keep_all),
-        "plan": pool(resident),
-        "budget": budget,
-    }
-
-
-_KEEP = Choice("keep", "")
-
-
-def cap_host_pool(
-    final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
-) -> bool:
-    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``.
-
-    Returns whether any choice changed.
-    """
-    if cap is None:
-        return False
-    used, dropped = 0, 0
-    seen: set[str] = set()
-    for a in sorted(final, key=lambda a: a.produced):
-        choice = choices.get(a.storage)
-        if choice is None or choice.kind != "offload" or a.storage in seen:
-            continue
-        seen.add(a.storage)
-        need = size_class(a.bytes)  # what the pool will really hand out
-        if used + need <= cap:
-            used += need
-            continue
-        choices[a.storage] = Choice(
-            "keep", f"keep: the host pool is full (pinned_pool_bytes={cap}, {used} B in use)"
-        )
-        dropped += 1
-    if dropped:
-        warnings.warn(
-            f"fxckpt[{graph_name}]: pinned_pool_bytes={cap} holds {used} B of offloads; "
-            f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
-            stacklevel=2,
-        )
-    return dropped > 0
-
-
-def offload_candidates(
-    final: list[SavedActivation], fw: fx.GraphModule, num_fwd_outputs: int, options: Options
-) -> list[SavedActivation]:
-    """Saved activations the runtime may offload.
-
-    Never model outputs (the user holds them), never tensors with symbolic sizes (the
-    restore op needs concrete sizes), never tensors below ``min_offload_bytes``.
-    """
-    if options.offload == "never":
+def _offloaded(attempt: Attempt) -> list[tuple[SavedActivation, int, int]]:
+    if attempt.solution is None or attempt.storages is None:
         return []
-    out = fw.graph.find_nodes(op="output")[0]
-    user_outputs = {v.name for v in out.args[0][:num_fwd_outputs] if isinstance(v, fx.Node)}
-    nodes = {n.name: n for n in fw.graph.nodes}
-    result = []
-    for a in final:
-        val = nodes[a.name].meta["val"]
-        if a.name in user_outputs or a.first_bw_use < 0 or a.bytes < options.min_offload_bytes:
-            continue
-        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
-            continue
-        result.append(a)
-    return result
-
-
-def user_offload_requests(joint: fx.GraphModule) -> set[str]:
-    """Names of nodes a user's selective-checkpoint policy asked to offload.
-
-    torch defines ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` but no torch partitioner reads
-    them; fxckpt does.
-    """
-    return {
-        n.name for n in joint.graph.nodes if n.meta.get(meta.RECOMPUTE) in OFFLOAD_POLICIES
-    }
-
-
-def _device_of(gm: fx.GraphModule) -> torch.device:
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
-            return val.device
-    return torch.device("cpu")
-
-
-def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> list[float]:
-    """Estimated compute milliseconds of each node of ``gm``, in graph order."""
+    sim = attempt.solution.sim
+    index = {s.key: i for i, s in enumerate(attempt.storages)}
     return [
-        node_cost_ms(n, cost_model, device) if n.op == "call_function" else 0.0
-        for n in gm.graph.nodes
+        (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
+        for a in attempt.final
+        if attempt.choices[a.storage].kind == "offload"
     ]
 
 
-def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
-    if options.bandwidth is not None:
-        return float(options.bandwidth) / 1e3
-    if options.cost_model == "unit":
-        return 1e6  # deterministic: 1 MB per unit step
-    return measure_bandwidth(device)
+def _notes(blocks: BlockFacts, stride: int) -> list[str]:
+    if stride > 0 and not blocks.index_of:
+        return ["no repeated blocks found: planned without segments"]
+    if blocks.index_of:
+        return [f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}"]
+    return []
 
 
-def _log_plan(plan: Plan, final: list[SavedActivation]) -> None:
+def _log_plan(plan: Plan) -> None:
     log.info("fxckpt %s", plan.summary())
     for row in plan.activations:
         log.debug(

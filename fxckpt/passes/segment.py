@@ -41,6 +41,9 @@ def _random_output(node: fx.Node) -> bool:
     return _is_random(node)
 
 
+EXTRA_SEGMENT_BASE = 100_000  # ids of one-block segments the budget adds
+
+
 @dataclass(frozen=True)
 class SegmentReport:
     """What the segment pass did, for the plan's reasons and the log."""
@@ -51,14 +54,22 @@ class SegmentReport:
     kept_random: int  # random ops left saved, so their masks are not redrawn
 
 
-def tag_segments(joint: fx.GraphModule, blocks: BlockFacts, stride: int, width: int) -> SegmentReport:
+def tag_segments(
+    joint: fx.GraphModule,
+    blocks: BlockFacts,
+    stride: int,
+    width: int,
+    *,
+    extra_blocks: frozenset[int] = frozenset(),
+) -> SegmentReport:
     """After this pass, every forward node inside a segment prefers recompute.
 
     Each segment's nodes share one ``ac_graph_id``, so torch's min-cut saves only the segment
     input and recomputes the interior (``cleanup_recompute_tags`` forces a save at each
     boundary between consecutive ids). Policies a user set with selective checkpointing win
     over the stride. Random ops stay saved: recomputing them needs RNG-state replay, which
-    torch only offers on CUDA.
+    torch only offers on CUDA. ``extra_blocks`` become one-block segments of their own
+    (the planner adds them when a budget needs more recompute).
     """
     segments: dict[int, set[int]] = {}
     tagged = kept_user = kept_random = 0
@@ -70,6 +81,8 @@ def tag_segments(joint: fx.GraphModule, blocks: BlockFacts, stride: int, width: 
             continue
         node.meta[meta.BLOCK] = block
         seg = segment_of(block, stride, width)
+        if seg is None and block in extra_blocks:
+            seg = EXTRA_SEGMENT_BASE + block
         if seg is None:
             continue
         segments.setdefault(seg, set()).add(block)

@@ -41,7 +41,10 @@ def _row(a: SavedActivation, decision: Decision, flops: float = 0.0) -> PlannedA
 def recompute_reason(a: SavedActivation, segment_of_block: Mapping[int, int]) -> str:
     """Why a tensor that plain min-cut saves is no longer saved."""
     if a.block is not None and a.block in segment_of_block:
-        return f"recompute: interior of segment {segment_of_block[a.block]} (block {a.block})"
+        seg = segment_of_block[a.block]
+        if seg < 0:
+            return f"recompute: block {a.block} is recomputed to meet the memory budget"
+        return f"recompute: interior of segment {seg} (block {a.block})"
     return "recompute: rebuilt in the backward from tensors the plan saves"
 
 
