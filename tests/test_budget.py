@@ -1,0 +1,115 @@
+"""The memory budget: met on the simulator and on real tensors, monotone, with reasons."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxckpt
+from equality import assert_step_matches
+from models import GPT, gpt_inputs
+
+GPT_KW = {"n_layers": 4, "d": 64}
+INPUTS = {"seq": 64}
+
+
+def run(budget, **options) -> fxckpt.Plan:
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    torch.manual_seed(0)
+    backend = fxckpt.backend(
+        compiler="eager", memory_budget=budget, min_offload_bytes=0, cost_model="unit", **options
+    )
+    assert_step_matches(GPT(**GPT_KW), gpt_inputs(**INPUTS), backend)
+    (plan,) = fxckpt.last_plans()
+    return plan
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fraction=st.floats(min_value=0.08, max_value=1.0))
+def test_budget_is_met_and_gradients_stay_exact(fraction: float) -> None:
+    plan = run(fraction, on_infeasible="warn")
+    assert plan.budget_bytes == int(fraction * plan.baseline_saved_bytes)
+    if plan.resident_peak_bytes <= plan.budget_bytes:
+        # Measured at the end of the forward, from the real tensors, one count per storage.
+        assert fxckpt.stats()["resident_saved_bytes"] <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25, 0.1])
+def test_simulated_and_measured_bytes_fit(fraction: float) -> None:
+    plan = run(fraction)
+    assert plan.resident_peak_bytes <= plan.budget_bytes
+    assert 0 < fxckpt.stats()["resident_saved_bytes"] <= plan.budget_bytes
+
+
+def test_budget_is_monotone() -> None:
+    measured, simulated, cost = [], [], []
+    for fraction in (1.0, 0.5, 0.25, 0.1):
+        plan = run(fraction)
+        measured.append(fxckpt.stats()["resident_saved_bytes"])
+        simulated.append(plan.resident_peak_bytes)
+        cost.append(plan.est_overhead_ms)
+    assert measured == sorted(measured, reverse=True) and measured[0] > measured[-1]
+    assert simulated == sorted(simulated, reverse=True)
+    assert cost == sorted(cost)
+
+
+def test_plan_at_0_3_shows_every_decision_with_numbers() -> None:
+    plan = run(0.3)
+    kinds = {r.decision.kind for r in plan.activations}
+    assert kinds == {"keep", "recompute", "offload"}
+    for row in plan.activations:
+        reason = row.decision.reason
+        assert reason.startswith(row.decision.kind + ":")
+        if row.decision.kind == "offload":
+            assert re.search(r"copies [\d.]+ ms against [\d.]+ ms of compute", reason)
+    assert any("budget" in r.decision.reason for r in plan.activations if r.decision.kind == "keep")
+
+
+def test_byte_budgets_are_bytes() -> None:
+    plan = run("600KiB")
+    assert plan.budget_bytes == 600 * 1024
+    assert plan.resident_peak_bytes <= 600 * 1024
+
+
+def test_auto_budget_resolves_on_cpu() -> None:
+    plan = run("auto")
+    assert plan.budget_bytes is not None and plan.budget_bytes > 0
+    assert plan.resident_peak_bytes == plan.baseline_saved_bytes  # plenty of RAM: keep all
+
+
+def test_infeasible_budget_raises_with_the_smallest_figure() -> None:
+    torch.manual_seed(0)
+    model = GPT(**GPT_KW)
+    backend = fxckpt.backend(compiler="eager", memory_budget=1000, offload="never", cost_model="unit")
+    with pytest.raises(Exception) as info:
+        torch.compile(model, backend=backend)(*gpt_inputs(**INPUTS)).backward()
+    err = info.value
+    while err is not None and not isinstance(err, fxckpt.BudgetError):
+        # dynamo wraps backend errors in BackendCompilerFailed, keeping them as inner_exception
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    assert isinstance(err, fxckpt.BudgetError)
+    assert err.budget_bytes == 1000 and err.smallest_bytes > 1000
+    assert "offload='auto'" in str(err)
+
+
+def test_infeasible_budget_warns_and_runs_the_smallest_plan() -> None:
+    with pytest.warns(UserWarning, match="cannot meet memory_budget"):
+        plan = run(1000, offload="never", on_infeasible="warn")
+    assert plan.resident_peak_bytes > 1000
+    assert plan.offloaded_bytes == 0
+
+
+def test_stride_fixes_interiors_and_budget_decides_segment_inputs() -> None:
+    plan = run(0.01, segment_stride=2, on_infeasible="warn")
+    in_blocks = [r for r in plan.activations if r.block is not None]
+    assert any("interior of segment" in r.decision.reason for r in in_blocks)
+    segment_inputs = [r for r in in_blocks if r.decision.kind != "recompute"]
+    assert segment_inputs
+    # The stride never recomputes a segment input; the budget keeps or offloads each one.
+    assert all(r.decision.reason.startswith(("keep: fits", "offload: ")) for r in segment_inputs)
+    assert "offload" in {r.decision.kind for r in segment_inputs}
