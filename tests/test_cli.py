@@ -133,11 +133,11 @@ def test_html_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
 
 
 def test_sweep_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, GPT, "--sweep", "1.0,0.25", "-q", "--cost-model", "unit")
+    code, out, err = run(capsys, GPT, "--sweep", "0.25", "-q", "--cost-model", "unit")
     assert code == 0, err
     header = next(line for line in out.splitlines() if "budget" in line and "fits" in line)
     assert [c for c in SWEEP_COLUMNS if c in header] == list(SWEEP_COLUMNS)
-    assert re.search(r"^\s*1\.0\s", out, re.M) and re.search(r"^\s*0\.25\s", out, re.M)
+    assert re.search(r"^\s*0\.25\s.*(yes|no)\s*$", out, re.M)
     code, out, err = run(capsys, GPT, "--sweep", "1.0,0.25", "-q", "--format", "json",
                          "--cost-model", "unit")  # fmt: skip
     assert code == 0, err
@@ -243,8 +243,11 @@ def test_a_70b_model_plans_in_a_few_gib(tmp_path: Path) -> None:
     reason="about 2 minutes; set FXCKPT_BIG_TESTS=1 (docs/cli.md has the measured command)",
 )
 def test_qwen3_8b_at_32k_tokens_meets_24gib(tmp_path: Path) -> None:
+    # Segments of one block (--stride 1) are needed: offloading alone peaks at 27.6 GiB, held
+    # up by the loss's 18.5 GiB float32 log-softmax, which can be neither offloaded nor
+    # recomputed, plus views of the attention outputs.
     doc, rss = _planned_in_child(tmp_path, "--hf-config", QWEN3_8B, "--seq", "32768",
-                                 "--budget", "24GiB", "-q", timeout=1200)  # fmt: skip
+                                 "--budget", "24GiB", "--stride", "1", "-q", timeout=1200)  # fmt: skip
     validate(doc, SCHEMA)
     cfg = json.loads((Path(QWEN3_8B) / "config.json").read_text())
     layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]

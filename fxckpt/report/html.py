@@ -89,14 +89,19 @@ def _axes(top: float, x_label: str, y_label: str) -> list[str]:
     return parts
 
 
-def timeline_svg(timeline: Mapping[str, Any], title: str) -> str:
-    """Resident saved bytes over the step: baseline (grey area), plan (blue), budget (red)."""
+def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0) -> str:
+    """Resident saved bytes over the step: baseline (grey area), plan (blue), budget (red).
+
+    ``min_cut_peak`` (grey dashed) is what plain min-cut holds at the end of the forward: all
+    it saves. The simulator's baseline is the plan's own partition with nothing offloaded,
+    which is lower when the plan recomputes.
+    """
     base = [int(v) for v in timeline.get("baseline") or []]
     plan = [int(v) for v in timeline.get("plan") or []]
     n = max(len(base), len(plan), 1)
     fwd_end = int(timeline.get("forward_end", 0))
     budget = timeline.get("budget")
-    top = max([*base, *plan, int(budget or 0), 1]) * 1.08
+    top = max([*base, *plan, int(budget or 0), min_cut_peak, 1]) * 1.08
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
 
     def x(position: float) -> float:
@@ -132,6 +137,12 @@ def timeline_svg(timeline: Mapping[str, Any], title: str) -> str:
                      'stroke="#5f6368" stroke-dasharray="2 3"/>'
                      f'<text x="{fx - 6:.1f}" y="{TOP - 8}" text-anchor="end">forward</text>'
                      f'<text x="{fx + 6:.1f}" y="{TOP - 8}">backward</text>')  # fmt: skip
+    if min_cut_peak:
+        my = y(min_cut_peak)
+        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{my:.1f}" y2="{my:.1f}" '
+                     f'stroke="{COLORS["baseline"]}" stroke-width="1.5" stroke-dasharray="2 3"/>'
+                     f'<text x="{LEFT + 6}" y="{my - 5:.1f}">plain min-cut peak '
+                     f"{escape(human_bytes(min_cut_peak))}</text>")  # fmt: skip
     if budget:
         by = y(int(budget))
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{by:.1f}" y2="{by:.1f}" '
@@ -142,7 +153,7 @@ def timeline_svg(timeline: Mapping[str, Any], title: str) -> str:
     parts.append("</svg>")
     legend = ('<div class="legend">'
               f'<span><i class="swatch" style="background:{COLORS["baseline"]};opacity:.5"></i>'
-              "baseline: every saved tensor kept on the device</span>"
+              "this partition with nothing offloaded</span>"
               f'<span><i class="swatch" style="background:{COLORS["plan"]}"></i>fxckpt plan</span>'
               '<span><i class="dash"></i>memory budget</span></div>')  # fmt: skip
     return "\n".join(parts) + legend
@@ -250,7 +261,8 @@ def render_html(
             f'<h2>summary</h2><table class="summary">{summary}</table>']  # fmt: skip
     kept = largest_kept(plans)
     if kept:
-        items = "".join(f"<li><b>{escape(human_bytes(a.bytes))}</b> {escape(a.module or '-')} "
+        items = "".join(f"<li><b>{escape(human_bytes(a.bytes))}</b> "
+                        f"{escape(a.module or '(outside any module)')} "
                         f"{escape(a.op)} {escape(' × '.join(map(str, a.shape)))} {escape(a.dtype)}"
                         f' <span class="muted">({escape(a.decision.reason)})</span></li>'
                         for a in kept)  # fmt: skip
@@ -262,7 +274,7 @@ def render_html(
         if plan.timeline:
             body.append('<p class="muted">Saved activations resident on the device at each '
                         "point of the forward and backward of this graph.</p>")  # fmt: skip
-            body.append(timeline_svg(plan.timeline, name))
+            body.append(timeline_svg(plan.timeline, name, plan.baseline_saved_bytes))
         else:
             body.append('<p class="muted">This plan carries no memory timeline, so the chart '
                         "shows the saved bytes of each block by decision: <b>keep</b> stays on "

@@ -97,7 +97,8 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("budget", budget),
         ("resident peak (plan)", share(t.resident_peak_bytes)),
         ("offloaded to host", share(t.offloaded_bytes)),
-        ("recomputed", f"{share(t.recomputed_bytes)}, {human_flops(t.recomputed_flops)}"),
+        ("recomputed", share(t.recomputed_bytes)
+         + (f", {human_flops(t.recomputed_flops)}" if t.recomputed_flops else "")),
         ("est. added step time", f"{t.est_overhead_ms:.2f} ms"),
         ("host pool needed", human_bytes(t.host_bytes)),
     ]
