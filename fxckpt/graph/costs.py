@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 # a recomputed op runs alone, without the fusion and overlap of the original step.
 DEFAULT_CPU_FLOPS_PER_MS = 1e8  # ~100 GFLOP/s, a few cores of a server CPU
 DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dense peak
+# Memory traffic bounds the ops FlopCounterMode gives no FLOPs (elementwise, norms, softmax):
+# without it their recompute would look free.
+DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
+DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
 
 _COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
@@ -185,8 +189,9 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
 
     - ``"unit"``: 1.0 per compute node, 0.0 for views, ``getitem`` and non-calls
       (deterministic, for tests);
-    - ``"flops"``: :func:`flops_to_ms` of :func:`node_flops` (0 for ops without a FLOP
-      formula, such as elementwise ops);
+    - ``"flops"``: the larger of :func:`flops_to_ms` of :func:`node_flops` and the time to
+      move the node's inputs and outputs once (which prices elementwise ops, that have no
+      FLOP formula);
     - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
       CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
     """
@@ -202,4 +207,22 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
             return _profile_ms(node, name)
         except Exception:
             pass
-    return flops_to_ms(node_flops(node), name)
+    return max(flops_to_ms(node_flops(node), name), _traffic_ms(node, name))
+
+
+def _traffic_ms(node: torch.fx.Node, device: str) -> float:
+    """Milliseconds to read a node's tensor inputs and write its outputs once."""
+    import torch
+
+    total = 0
+    for n in (node, *node.all_input_nodes):
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else (val,)
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                numel = 1
+                for s in v.shape:
+                    numel *= s if isinstance(s, int) else 4096
+                total += numel * v.element_size()
+    rate = DEFAULT_CUDA_BYTES_PER_MS if device.startswith("cuda") else DEFAULT_CPU_BYTES_PER_MS
+    return total / rate

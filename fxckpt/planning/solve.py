@@ -290,6 +290,28 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
             live[2 * i + _RECOMPUTE] = -1
         steps.append((i, choice))
         points.append((tr.peak, tr.cost))
+    # Close the sequence with every candidate in its lowest-residency mode: where the steps
+    # above stalled (no single eviction lowered the peak), that plan can still sit lower, and
+    # the frontier then offers it. Each of these steps is an eviction too, so sets stay nested.
+    # One simulate() prices the end point; the points in between are marked unusable (same
+    # peak, infinite cost), because pricing each incrementally re-queues the copy channels.
+    closing = [
+        (i, low)
+        for i in range(n)
+        if c.forced_of(i) is None
+        and c.bytes[i] > 0
+        and (low := c.lowest(i)) != "keep"
+        and tr.mode[i] != low
+    ]
+    if closing:
+        final = [tr.mode[i] for i in range(n)]
+        for i, low in closing:
+            final[i] = low
+        sim = simulate(problem, final, prefetch=prefetch)  # type: ignore[arg-type]
+        for _ in closing[:-1]:
+            points.append((points[-1][0], math.inf))
+        points.append((sim.peak, sim.cost_ms))
+        steps.extend(closing)
     return GreedyCurve(problem, prefetch, steps, points, _frontier(points))
 
 

@@ -10,6 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxckpt.graph import costs
 from fxckpt.graph.costs import (
+    DEFAULT_CPU_BYTES_PER_MS,
     DEFAULT_CPU_FLOPS_PER_MS,
     DEFAULT_CUDA_FLOPS_PER_MS,
     flops_to_ms,
@@ -65,7 +66,9 @@ def test_unit_model_is_deterministic():
 
 def test_flops_model_and_profile_falls_back_on_cpu():
     mm = traced()["aten.mm.default"]
-    want = 2 * 64 * 128 * 32 / DEFAULT_CPU_FLOPS_PER_MS
+    compute = 2 * 64 * 128 * 32 / DEFAULT_CPU_FLOPS_PER_MS
+    traffic = (64 * 128 + 128 * 32 + 64 * 32) * 4 / DEFAULT_CPU_BYTES_PER_MS
+    want = max(compute, traffic)
     assert node_cost_ms(mm, "flops", "cpu") == pytest.approx(want)
     assert node_cost_ms(mm, "profile", "cpu") == pytest.approx(want)
     assert flops_to_ms(1e11, "cuda:0") == pytest.approx(1e11 / DEFAULT_CUDA_FLOPS_PER_MS)
