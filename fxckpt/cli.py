@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -142,6 +143,10 @@ def _import_target(spec: str) -> Any:
         sys.path.insert(0, str(path.resolve().parent))  # so it can import its neighbours
         loader_spec.loader.exec_module(module)
     else:
+        # A console script's sys.path starts at its bin folder; like `python -m`, look in the
+        # current directory first, so `fxckpt inspect mypkg.model:factory` works from a checkout.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as e:
@@ -286,8 +291,6 @@ def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, 
 
 
 def _silence_stdout() -> None:
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # keep the interpreter's final flush quiet

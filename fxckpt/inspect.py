@@ -325,6 +325,10 @@ def inspect(
     compiler is always ``"eager"``, and ``on_infeasible`` defaults to ``"warn"`` so that a
     plan over budget is still shown. Nothing runs on real tensors: weights and inputs are
     replaced by meta tensors of the same shapes.
+
+    Like a fresh compile in a benchmark, this calls ``torch._dynamo.reset()`` before and after
+    planning (other compiled models in the process recompile on their next call) and
+    :func:`fxckpt.reset_stats` before it.
     """
     opts = inspect_options(**options)
     work = Workload(model, *split_inputs(example_inputs), loss_fn)

@@ -256,3 +256,23 @@ def test_qwen3_8b_at_32k_tokens_meets_24gib(tmp_path: Path) -> None:
     for g in doc["graphs"]:
         assert g["budget_bytes"] == 24 * 2**30
         assert g["resident_peak_bytes"] <= g["budget_bytes"], g["notes"]
+
+
+def test_module_target_is_found_in_the_current_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "cwd_pkg_for_inspect"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "net.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())\n"
+        "    return net, (torch.zeros(32, 64),), lambda y: y.sum()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    code, out, err = run(capsys, "cwd_pkg_for_inspect.net:make", "-q", "--format", "json")
+    assert code == 0, err
+    ops = [a["op"] for g in json.loads(out)["graphs"] for a in g["activations"]]
+    assert "tanh.default" in ops

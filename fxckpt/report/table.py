@@ -35,6 +35,14 @@ def human_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def human_ms(ms: float) -> str:
+    if ms >= 3_600_000:
+        return f"{ms / 3_600_000:.1f} h"
+    if ms >= 1000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms:.2f} ms"
+
+
 def shape_text(shape: Sequence[Any]) -> str:
     return "×".join(str(s) for s in shape) if shape else "scalar"
 
@@ -99,7 +107,7 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("offloaded to host", share(t.offloaded_bytes)),
         ("recomputed", share(t.recomputed_bytes)
          + (f", {human_flops(t.recomputed_flops)}" if t.recomputed_flops else "")),
-        ("est. added step time", f"{t.est_overhead_ms:.2f} ms"),
+        ("est. added step time", human_ms(t.est_overhead_ms)),
         ("host pool needed", human_bytes(t.host_bytes)),
     ]
     for p in plans:
@@ -137,7 +145,7 @@ class SweepRow:
         pct = 100 * t.resident_peak_bytes / t.baseline_saved_bytes if t.baseline_saved_bytes else 0
         return (self.budget, human_bytes(sum(budgets)) if budgets else "none",
                 human_bytes(t.resident_peak_bytes), f"{pct:.0f}%", human_bytes(t.offloaded_bytes),
-                human_bytes(t.recomputed_bytes), f"{t.est_overhead_ms:.2f} ms",
+                human_bytes(t.recomputed_bytes), human_ms(t.est_overhead_ms),
                 "no" if t.over_budget else "yes")  # fmt: skip
 
 
