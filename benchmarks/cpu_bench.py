@@ -1,0 +1,466 @@
+"""Memory and step time of every method on a small GPT-style decoder, on the CPU.
+
+    python -m benchmarks.cpu_bench --quick --json docs/benchmarks/cpu_quick.json
+
+Each method is a row (``benchmarks/methods.py``): eager, full_checkpoint, save_on_cpu, compiled
+(plain torch.compile), torch_offload, torch_budget and several fxckpt settings, one of them
+with ``memory_budget`` set to full_checkpoint's measured bytes. Per sequence length every
+method runs a first (compiling) step, warm-up steps, then ``--repeats`` rounds in which the
+methods take turns in a rotating order. Times are medians, with the min and max beside them.
+
+What the columns measure:
+
+- ``resident_saved_bytes``: bytes saved for backward that stay on the compute device at the
+  end of the forward, counted by :class:`benchmarks.methods.SavedCounter` for every row.
+- ``host_saved_bytes``: what the row keeps on the host instead (save_on_cpu's copies, torch's
+  offloaded tensors, fxckpt's offloaded bytes from ``fxckpt.stats()``). On a CPU device that is
+  the same memory: the split is the one a GPU would see.
+- ``peak_bytes``: one tracker for every row. CPU: the peak RSS of one step (``VmHWM``, reset
+  through ``/proc/self/clear_refs``) minus the RSS before it, with glibc's mmap threshold fixed
+  at 64 KiB so that freed tensors leave the RSS at once. It counts everything the step
+  allocates (gradients, temporaries, host copies made during the step); fxckpt's host pool is
+  allocated by the first steps and reused, so it is in the "before" figure.
+- ``step_time_ratio``: median step time (forward + backward) over eager's, in the same run.
+- ``compile_time_ratio``: (first step - median step) over the same figure of ``compiled``.
+- ``grads_match``: every parameter gradient of the first step passes
+  ``torch.testing.assert_close`` (default tolerances) against eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.methods import (
+    BASELINE_SPECS,
+    GPT_QUICK,
+    GPT_SMALL,
+    Decoder,
+    DecoderConfig,
+    MethodSpec,
+    Runner,
+    SavedCounter,
+    build_runner,
+    default_fxckpt_specs,
+    grads_match,
+    grads_of,
+    make_batch,
+    median,
+)
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------------------------
+# Peak trackers: one per device kind, the same for every row.
+# --------------------------------------------------------------------------------------------
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class RssPeak:
+    """Peak RSS of one step minus the RSS before it (Linux ``VmHWM``)."""
+
+    name = "VmHWM delta: peak RSS of the step minus RSS before it (glibc mmap threshold 64 KiB)"
+
+    def __init__(self) -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            # M_MMAP_THRESHOLD (-3): a fixed threshold also turns off glibc's dynamic one,
+            # which would otherwise grow to 32 MiB and keep freed tensors in the heap.
+            libc.mallopt(-3, 64 * 1024)
+        except OSError:
+            pass
+        self.base = 0
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            _proc_status("VmHWM")
+            return True
+        except (OSError, KeyError):
+            return False
+
+    def start(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self.base = _proc_status("VmRSS")
+
+    def stop(self) -> int:
+        return _proc_status("VmHWM") - self.base
+
+
+class CudaPeak:
+    """``torch.cuda.max_memory_allocated`` during the step minus the allocated bytes before it."""
+
+    name = "torch.cuda.max_memory_allocated delta over the step"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.base = device, 0
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+class NoPeak:
+    name = "none (no tracker on this platform)"
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> int:
+        return -1
+
+
+def peak_tracker(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return CudaPeak(device)
+    return RssPeak() if RssPeak.available() else NoPeak()
+
+
+# --------------------------------------------------------------------------------------------
+# The harness, shared with gpu_check.py
+# --------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _fxckpt_stats() -> dict[str, Any]:
+    import fxckpt
+
+    return fxckpt.stats()
+
+
+def run_suite(
+    cfg: DecoderConfig,
+    *,
+    batch: int,
+    seq: int,
+    specs: Sequence[MethodSpec],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    compiler: str = "eager",
+    warmup: int = 1,
+    repeats: int = 5,
+    tolerances: dict[str, float] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Rows for every spec at one sequence length; ``specs[0]`` must be eager."""
+    import fxckpt
+
+    if specs[0].kind != "eager":
+        raise ValueError("the first spec must be eager: it is the baseline of every ratio")
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    torch.manual_seed(0)
+    base = Decoder(cfg).to(device=device, dtype=dtype)
+    idx, tgt = make_batch(cfg, batch, seq, device)
+    tracker = peak_tracker(device)
+    runners: list[Runner] = []
+    rows: dict[str, dict[str, Any]] = {}
+    ref_grads: dict[str, torch.Tensor] = {}
+    full_ckpt_bytes: int | None = None
+
+    # 1. First step of each method: compile, saved bytes, gradients against eager.
+    for spec in specs:
+        model = copy.deepcopy(base)
+        runner = build_runner(spec, model, device, compiler, budget_bytes=full_ckpt_bytes)
+        counter = SavedCounter(model.parameters(), device)
+        fxckpt.reset_stats()
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            loss, resident, host = runner.step(idx, tgt, counter)
+        except Exception as e:  # a method that cannot run here is a row that says why
+            log(f"  {spec.name}: unavailable: {type(e).__name__}: {str(e).splitlines()[0]}")
+            rows[spec.name] = _row(spec, runner, seq, batch, unavailable=f"{type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:300]}")  # fmt: skip
+            continue
+        _sync(device)
+        first_s = time.perf_counter() - start
+        grads = grads_of(model)
+        if spec.kind == "eager":
+            ref_grads, ok, why = grads, True, ""
+        else:
+            ok, why = grads_match(ref_grads, grads, **(tolerances or {}))
+        for p in model.parameters():
+            p.grad = None
+        row = _row(spec, runner, seq, batch)
+        row.update(first_step_s=first_s, loss=loss, resident_saved_bytes=resident,
+                   host_saved_bytes=host, grads_match=ok, grads_note=why)  # fmt: skip
+        if spec.kind == "fxckpt":
+            st, plans = _fxckpt_stats(), fxckpt.last_plans()
+            row["fxckpt_stats_resident_saved_bytes"] = int(st["resident_saved_bytes"])
+            row["host_saved_bytes"] = (host or 0) + int(st["offloaded_bytes"])
+            row["plan_resident_peak_bytes"] = sum(p.resident_peak_bytes for p in plans)
+            row["plan_decisions"] = _decisions(plans)
+            row["plan_budget_bytes"] = [p.budget_bytes for p in plans]
+            row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
+        if spec.kind == "full_checkpoint":
+            full_ckpt_bytes = resident
+        rows[spec.name] = row
+        runners.append(runner)
+        log(f"  {spec.name:<22} first step {first_s:6.1f} s, resident "
+            f"{(resident or 0) / MiB:8.2f} MiB, grads_match={ok} {why[:100]}")  # fmt: skip
+
+    # 2. Warm-up, then interleaved rounds in a rotating order.
+    for runner in runners:
+        for _ in range(warmup):
+            runner.step(idx, tgt)
+    for runner in runners:
+        rows[runner.name].update(step_s=[], cpu_s=[], peak_bytes_all=[], stall_s=[],
+                                 offloaded=[])
+    frames = _frames_compiled()
+    for r in range(repeats):
+        order = runners[r % len(runners):] + runners[: r % len(runners)]
+        for runner in order:
+            row = rows[runner.name]
+            fxckpt.reset_stats()
+            tracker.start()
+            _sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            runner.step(idx, tgt)
+            _sync(device)
+            row["step_s"].append(time.perf_counter() - start)
+            row["cpu_s"].append(time.process_time() - cpu_start)
+            row["peak_bytes_all"].append(tracker.stop())
+            for p in runner.model.parameters():
+                p.grad = None
+            if runner.spec.kind == "fxckpt":
+                st = _fxckpt_stats()
+                row["stall_s"].append(float(st["stall_seconds"]))
+                row["offloaded"].append(int(st["offloaded_bytes"]))
+    recompiled = _frames_compiled() - frames
+
+    # 3. Ratios against eager and compiled of the same run.
+    eager = rows[specs[0].name]
+    compiled = rows.get("compiled")
+    for row in rows.values():
+        if row.get("unavailable"):
+            continue
+        ts = row["step_s"]
+        row["step_ms"] = 1e3 * median(ts)
+        row["step_ms_min"], row["step_ms_max"] = 1e3 * min(ts), 1e3 * max(ts)
+        row["step_time_ratio"] = median(ts) / median(eager["step_s"])
+        # CPU seconds of all the process's threads: less sensitive than wall time to other
+        # processes on the machine, and it shows work that copy threads overlap.
+        row["cpu_ms"] = 1e3 * median(row["cpu_s"])
+        row["cpu_time_ratio"] = median(row["cpu_s"]) / median(eager["cpu_s"])
+        paired = [a / b for a, b in zip(ts, eager["step_s"], strict=True)]
+        row["step_ratio_min"], row["step_ratio_max"] = min(paired), max(paired)
+        row["peak_bytes"] = int(median([float(x) for x in row["peak_bytes_all"]]))
+        row["compile_s"] = max(0.0, row["first_step_s"] - median(ts)) if row["compiled"] else 0.0
+        if row["stall_s"]:
+            row["stall_s_per_step"] = median(row["stall_s"])
+            row["offloaded_bytes_per_step"] = int(median([float(x) for x in row["offloaded"]]))
+        row["recompiles_while_timed"] = recompiled
+    ref = compiled["compile_s"] if compiled and not compiled.get("unavailable") else None
+    for row in rows.values():
+        if row.get("unavailable") or not row["compiled"] or not ref:
+            row["compile_time_ratio"] = None
+        else:
+            row["compile_time_ratio"] = row["compile_s"] / ref
+    for row in rows.values():
+        for key in ("stall_s", "offloaded"):
+            row.pop(key, None)
+    row_list = [rows[s.name] for s in specs if s.name in rows]
+    for row in row_list:
+        row["peak_tracker"] = tracker.name
+    return row_list
+
+
+def _row(spec: MethodSpec, runner: Runner, seq: int, batch: int,
+         unavailable: str | None = None) -> dict[str, Any]:
+    return {
+        "method": spec.name,
+        "description": spec.description,
+        "seq": seq,
+        "batch": batch,
+        "compiler": runner.compiler,
+        "compiled": runner.compiled,
+        "options": {k: v for k, v in runner.options.items() if k != "compiler"},
+        "unavailable": unavailable,
+    }
+
+
+def _decisions(plans: list[Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for plan in plans:
+        for row in plan.activations:
+            counts[row.decision.kind] = counts.get(row.decision.kind, 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None or n < 0 else f"{n / MiB:.1f}"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = ("| seq | method | compiler | resident saved MiB | host MiB | peak MiB | "
+            "step ms (min-max) | step vs eager (min-max) | compile vs compiled | grads |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if r.get("unavailable"):
+            lines.append(f"| {r['seq']} | {r['method']} | {r['compiler']} | unavailable: "
+                         f"{r['unavailable']} | | | | | | |")  # fmt: skip
+            continue
+        ctr = r.get("compile_time_ratio")
+        lines.append(
+            f"| {r['seq']} | {r['method']} | {r['compiler']} | {_mib(r['resident_saved_bytes'])} "
+            f"| {_mib(r['host_saved_bytes'])} | {_mib(r['peak_bytes'])} "
+            f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) "
+            f"| {r['step_time_ratio']:.2f}x ({r['step_ratio_min']:.2f}-{r['step_ratio_max']:.2f}) "
+            f"| {'-' if ctr is None else f'{ctr:.2f}x'} | {'ok' if r['grads_match'] else 'DIFF'} |"
+        )
+    return "\n".join(lines)
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg_start": list(os.getloadavg()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import fxckpt
+
+        info["fxckpt"] = fxckpt.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.cpu_bench",
+        description="Saved-activation memory and step time per method on the CPU "
+        "(see docs/benchmarks.md).",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="the small configuration: under 5 minutes on 2 cores")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's facts here")
+    p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default by mode)")
+    p.add_argument("--batch", type=int, help="batch size (default by mode)")
+    p.add_argument("--repeats", type=int, help="timed rounds (default by mode)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per method")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; the default 1 leaves the second core to "
+                   "fxckpt's copy threads (the same setting for every row)")
+    p.add_argument("--compiler", choices=("eager", "inductor"), default="eager",
+                   help="code generation for the compiled rows (torch_offload is always "
+                   "aot_eager); inductor compiles take tens of seconds each here")
+    p.add_argument("--min-offload-bytes", default="64KiB",
+                   help="fxckpt's min_offload_bytes in every fxckpt row")
+    p.add_argument("--methods", nargs="+", help="only these rows (eager is always run)")
+    p.add_argument("--docs", action="store_true",
+                   help="also regenerate docs/benchmarks.md's CPU table and plot from this run")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = GPT_QUICK if args.quick else GPT_SMALL
+    seqs = args.seqs or ([256, 512] if args.quick else [256, 512, 1024])
+    batch = args.batch or (2 if args.quick else 4)
+    repeats = args.repeats or 5
+    torch.set_num_threads(args.threads)
+    # Every method and sequence length compiles the same forward again; keep dynamo from
+    # falling back to eager after its default 8 recompiles.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 1 << 16
+    specs = list(BASELINE_SPECS) + list(default_fxckpt_specs(args.min_offload_bytes))
+    if args.methods:
+        keep = set(args.methods) | {"eager"}
+        if any(s.name == "fxckpt_at_full_ckpt" for s in specs if s.name in keep):
+            keep.add("full_checkpoint")
+        specs = [s for s in specs if s.name in keep]
+    command = "python -m benchmarks.cpu_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    facts = machine_info(args.threads)
+    print(f"{command}\n{facts['date']}, {facts['cpu']}, {facts['cores']} cores, torch "
+          f"{facts['torch']}, torch threads {args.threads}\n{cfg.describe()}, batch {batch}")
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for seq in seqs:
+        print(f"seq {seq}:")
+        rows += run_suite(cfg, batch=batch, seq=seq, specs=specs, device=torch.device("cpu"),
+                          compiler=args.compiler, warmup=args.warmup, repeats=repeats)
+    facts["wall_s"] = round(time.perf_counter() - started, 1)
+    facts["loadavg_end"] = list(os.getloadavg())
+    print()
+    print(markdown_table(rows))
+    print(f"\npeak: {rows[0]['peak_tracker']}; wall {facts['wall_s']} s; load average "
+          f"{facts['loadavg_start'][0]:.1f} at the start, {facts['loadavg_end'][0]:.1f} at the end")
+    doc = {"command": command, "machine": facts, "model": cfg.__dict__, "batch": batch,
+           "seqs": seqs, "repeats": repeats, "warmup": args.warmup, "compiler": args.compiler,
+           "rows": rows}  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.docs:
+        from benchmarks import plot
+
+        with contextlib.suppress(SystemExit):
+            plot.main([args.json] if args.json else [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
