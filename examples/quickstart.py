@@ -83,16 +83,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--stride", type=int, default=2)
-    parser.add_argument("--budget", default=None, help="memory_budget, e.g. 0.3 or '4MiB'")
+    parser.add_argument(
+        "--budget", default="0.1", help="memory_budget: a fraction of plain min-cut, or '4MiB'"
+    )
     parser.add_argument("--offload", default="auto", choices=["auto", "never", "all"])
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
-    budget = args.budget
-    if budget is not None:
-        try:
-            budget = float(budget) if "." in budget else int(budget)
-        except ValueError:
-            pass
+    budget: object = args.budget
+    try:
+        budget = float(args.budget) if "." in args.budget else int(args.budget)
+    except ValueError:
+        pass  # a byte string such as "4MiB"; fxckpt parses it
 
     torch.manual_seed(0)
     model = GPT()
@@ -103,9 +104,12 @@ if __name__ == "__main__":
         idx = torch.randint(0, 512, (4, args.seq), generator=g)
         data.append((idx, torch.roll(idx, -1, 1)))
 
-    options = {"segment_stride": args.stride, "offload": args.offload, "min_offload_bytes": 0}
-    if budget is not None:
-        options["memory_budget"] = budget
+    options = {
+        "segment_stride": args.stride,
+        "memory_budget": budget,
+        "offload": args.offload,
+        "min_offload_bytes": 0,
+    }
     print(f"fxckpt {fxckpt.__version__}, torch {torch.__version__}; options {options}")
     fx_model = torch.compile(model, backend="fxckpt", options=options)
     plain = torch.compile(baseline_model)
@@ -124,8 +128,11 @@ if __name__ == "__main__":
         for row in plan.activations:
             counts[row.decision.kind] = counts.get(row.decision.kind, 0) + 1
         print("  decisions:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        for row in plan.activations[:6]:
-            print(f"  {row.name:<16} {row.module or '-':<20} {row.bytes:>10} B  {row.decision.reason}")
+        shown: set[str] = set()
+        for row in plan.activations:  # one example of each decision
+            if row.decision.kind not in shown:
+                shown.add(row.decision.kind)
+                print(f"  {row.name:<14} {row.module or '-':<16} {row.bytes:>9} B  {row.decision.reason}")
     stats = fxckpt.stats()
     print(f"losses  fxckpt {['%.4f' % v for v in fx_losses]}")
     print(f"losses  plain  {['%.4f' % v for v in pl_losses]}")
