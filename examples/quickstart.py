@@ -134,8 +134,8 @@ if __name__ == "__main__":
                 shown.add(row.decision.kind)
                 print(f"  {row.name:<14} {row.module or '-':<16} {row.bytes:>9} B  {row.decision.reason}")
     stats = fxckpt.stats()
-    print(f"losses  fxckpt {['%.4f' % v for v in fx_losses]}")
-    print(f"losses  plain  {['%.4f' % v for v in pl_losses]}")
+    print(f"losses  fxckpt {' '.join(f'{v:.4f}' for v in fx_losses)}")
+    print(f"losses  plain  {' '.join(f'{v:.4f}' for v in pl_losses)}")
     mib = 2**20
     print(
         f"saved for backward: plain torch.compile {plain_saved / mib:.2f} MiB, "
