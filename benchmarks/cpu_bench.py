@@ -15,11 +15,12 @@ What the columns measure:
 - ``host_saved_bytes``: what the row keeps on the host instead (save_on_cpu's copies, torch's
   offloaded tensors, fxckpt's offloaded bytes from ``fxckpt.stats()``). On a CPU device that is
   the same memory: the split is the one a GPU would see.
-- ``peak_bytes``: one tracker for every row. CPU: the peak RSS of one step (``VmHWM``, reset
-  through ``/proc/self/clear_refs``) minus the RSS before it, with glibc's mmap threshold fixed
-  at 64 KiB so that freed tensors leave the RSS at once. It counts everything the step
-  allocates (gradients, temporaries, host copies made during the step); fxckpt's host pool is
-  allocated by the first steps and reused, so it is in the "before" figure.
+- ``peak_bytes``: one tracker for every row, in one extra untimed step per method. CPU:
+  ``torch.profiler`` with ``profile_memory=True``, the peak of the running sum of the bytes
+  torch's CPU allocator hands out and takes back during the step (:class:`ProfilerPeak`). It
+  counts everything the step allocates (gradients, temporaries, copies made during the step);
+  fxckpt's host pool is allocated by the first steps and reused, so it is not in it. CUDA:
+  ``torch.cuda.max_memory_allocated`` over the step minus ``memory_allocated`` before it.
 - ``step_time_ratio``: median step time (forward + backward) over eager's, in the same run.
 - ``compile_time_ratio``: (first step - median step) over the same figure of ``compiled``.
 - ``grads_match``: every parameter gradient of the first step passes
@@ -31,14 +32,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import datetime
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,80 +69,65 @@ MiB = 2**20
 # --------------------------------------------------------------------------------------------
 
 
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence C-level stderr (kineto prints a line at every profiler start and stop)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
-class RssPeak:
-    """Peak RSS of one step minus the RSS before it (Linux ``VmHWM``)."""
+class ProfilerPeak:
+    """Peak of the net bytes torch's CPU allocator handed out during one step.
 
-    name = "VmHWM delta: peak RSS of the step minus RSS before it (glibc mmap threshold 64 KiB)"
+    ``torch.profiler.profile(profile_memory=True)`` records every allocation and free of the
+    calling thread; the running sum's maximum, from 0 at the step's start, is the step's peak
+    above what was allocated before it. fxckpt's copy threads allocate nothing at steady state
+    (the host pool's buffers come from the first steps), so nothing is missed. Measured in
+    separate, untimed steps: the profiler slows the step it watches.
+    """
 
-    def __init__(self) -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            # M_MMAP_THRESHOLD (-3): a fixed threshold also turns off glibc's dynamic one,
-            # which would otherwise grow to 32 MiB and keep freed tensors in the heap.
-            libc.mallopt(-3, 64 * 1024)
-        except OSError:
-            pass
-        self.base = 0
+    name = "torch.profiler(profile_memory=True): peak net bytes allocated during one step"
 
-    @staticmethod
-    def available() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            _proc_status("VmHWM")
-            return True
-        except (OSError, KeyError):
-            return False
+    def measure(self, step: Callable[[], Any]) -> int:
+        from torch.profiler import ProfilerActivity, profile
 
-    def start(self) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        self.base = _proc_status("VmRSS")
-
-    def stop(self) -> int:
-        return _proc_status("VmHWM") - self.base
+        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+        now = peak = 0
+        for e in events:
+            now += e.nbytes()
+            peak = max(peak, now)
+        return peak
 
 
 class CudaPeak:
     """``torch.cuda.max_memory_allocated`` during the step minus the allocated bytes before it."""
 
-    name = "torch.cuda.max_memory_allocated delta over the step"
+    name = "torch.cuda.max_memory_allocated during one step minus memory_allocated before it"
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.base = device, 0
+        self.device = device
 
-    def start(self) -> None:
+    def measure(self, step: Callable[[], Any]) -> int:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-
-    def stop(self) -> int:
+        base = torch.cuda.memory_allocated(self.device)
+        step()
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
+        return torch.cuda.max_memory_allocated(self.device) - base
 
 
-class NoPeak:
-    name = "none (no tracker on this platform)"
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> int:
-        return -1
-
-
-def peak_tracker(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return CudaPeak(device)
-    return RssPeak() if RssPeak.available() else NoPeak()
+def peak_tracker(device: torch.device) -> ProfilerPeak | CudaPeak:
+    return CudaPeak(device) if device.type == "cuda" else ProfilerPeak()
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,8 +165,13 @@ def run_suite(
     repeats: int = 5,
     tolerances: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
+    probe: Callable[[Runner, torch.Tensor, torch.Tensor, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows for every spec at one sequence length; ``specs[0]`` must be eager."""
+    """Rows for every spec at one sequence length; ``specs[0]`` must be eager.
+
+    ``probe(runner, idx, targets, row)``, if given, runs once per method after the timed
+    rounds and may add fields to the row (gpu_check's memory probes).
+    """
     import fxckpt
 
     if specs[0].kind != "eager":
@@ -244,22 +234,19 @@ def run_suite(
         for _ in range(warmup):
             runner.step(idx, tgt)
     for runner in runners:
-        rows[runner.name].update(step_s=[], cpu_s=[], peak_bytes_all=[], stall_s=[],
-                                 offloaded=[])
+        rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[])
     frames = _frames_compiled()
     for r in range(repeats):
         order = runners[r % len(runners):] + runners[: r % len(runners)]
         for runner in order:
             row = rows[runner.name]
             fxckpt.reset_stats()
-            tracker.start()
             _sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()
             runner.step(idx, tgt)
             _sync(device)
             row["step_s"].append(time.perf_counter() - start)
             row["cpu_s"].append(time.process_time() - cpu_start)
-            row["peak_bytes_all"].append(tracker.stop())
             for p in runner.model.parameters():
                 p.grad = None
             if runner.spec.kind == "fxckpt":
@@ -267,6 +254,14 @@ def run_suite(
                 row["stall_s"].append(float(st["stall_seconds"]))
                 row["offloaded"].append(int(st["offloaded_bytes"]))
     recompiled = _frames_compiled() - frames
+    for runner in runners:  # peaks: one more step each, not timed
+        rows[runner.name]["peak_bytes"] = tracker.measure(lambda r=runner: r.step(idx, tgt))
+        for p in runner.model.parameters():
+            p.grad = None
+        if probe is not None:
+            probe(runner, idx, tgt, rows[runner.name])
+            for p in runner.model.parameters():
+                p.grad = None
 
     # 3. Ratios against eager and compiled of the same run.
     eager = rows[specs[0].name]
@@ -284,7 +279,6 @@ def run_suite(
         row["cpu_time_ratio"] = median(row["cpu_s"]) / median(eager["cpu_s"])
         paired = [a / b for a, b in zip(ts, eager["step_s"], strict=True)]
         row["step_ratio_min"], row["step_ratio_max"] = min(paired), max(paired)
-        row["peak_bytes"] = int(median([float(x) for x in row["peak_bytes_all"]]))
         row["compile_s"] = max(0.0, row["first_step_s"] - median(ts)) if row["compiled"] else 0.0
         if row["stall_s"]:
             row["stall_s_per_step"] = median(row["stall_s"])
@@ -338,12 +332,13 @@ def _mib(n: int | None) -> str:
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     head = ("| seq | method | compiler | resident saved MiB | host MiB | peak MiB | "
-            "step ms (min-max) | step vs eager (min-max) | compile vs compiled | grads |")
-    lines = [head, "|" + "---|" * 10]
+            "step ms (min-max) | step vs eager (min-max) | CPU time vs eager | "
+            "compile vs compiled | grads |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if r.get("unavailable"):
             lines.append(f"| {r['seq']} | {r['method']} | {r['compiler']} | unavailable: "
-                         f"{r['unavailable']} | | | | | | |")  # fmt: skip
+                         f"{r['unavailable']} | | | | | | | |")  # fmt: skip
             continue
         ctr = r.get("compile_time_ratio")
         lines.append(
@@ -351,7 +346,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_mib(r['host_saved_bytes'])} | {_mib(r['peak_bytes'])} "
             f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) "
             f"| {r['step_time_ratio']:.2f}x ({r['step_ratio_min']:.2f}-{r['step_ratio_max']:.2f}) "
-            f"| {'-' if ctr is None else f'{ctr:.2f}x'} | {'ok' if r['grads_match'] else 'DIFF'} |"
+            f"| {r['cpu_time_ratio']:.2f}x | {'-' if ctr is None else f'{ctr:.2f}x'} "
+            f"| {'ok' if r['grads_match'] else 'DIFF'} |"
         )
     return "\n".join(lines)
 
@@ -431,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(s.name == "fxckpt_at_full_ckpt" for s in specs if s.name in keep):
             keep.add("full_checkpoint")
         specs = [s for s in specs if s.name in keep]
+    if args.docs and not args.json:
+        args.json = f"docs/benchmarks/cpu_{'quick' if args.quick else 'full'}.json"
     command = "python -m benchmarks.cpu_bench " + " ".join(sys.argv[1:] if argv is None else argv)
     facts = machine_info(args.threads)
     print(f"{command}\n{facts['date']}, {facts['cpu']}, {facts['cores']} cores, torch "
@@ -457,8 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.docs:
         from benchmarks import plot
 
-        with contextlib.suppress(SystemExit):
-            plot.main([args.json] if args.json else [])
+        return plot.main([args.json])
     return 0
 
 

@@ -350,9 +350,13 @@ class Runner:
     def compiled(self) -> bool:
         return self.compiler != "-"
 
-    def step(self, idx: torch.Tensor, tgt: torch.Tensor,
-             counter: SavedCounter | None = None) -> tuple[float, int | None, int | None]:
-        """Forward and backward; returns (loss, resident saved bytes, host saved bytes)."""
+    def step(self, idx: torch.Tensor, tgt: torch.Tensor, counter: SavedCounter | None = None,
+             on_forward: Callable[[], None] | None = None
+             ) -> tuple[float, int | None, int | None]:
+        """Forward and backward; returns (loss, resident saved bytes, host saved bytes).
+
+        ``on_forward`` runs between the forward and the backward (memory probes).
+        """
         for p in self.model.parameters():
             p.grad = None
         ctx = self.first_call() if self.calls == 0 else contextlib.nullcontext()
@@ -365,6 +369,8 @@ class Runner:
                 with counter.counting():
                     loss = self.call(idx, tgt)
                 resident, host = counter.resident_bytes, counter.host_bytes
+            if on_forward is not None:
+                on_forward()
             loss.backward()
         return float(loss.detach()), resident, host
 

@@ -1,0 +1,153 @@
+"""Plot memory against step time per method, and put the table into docs/benchmarks.md.
+
+    python -m benchmarks.plot docs/benchmarks/cpu_quick.json
+
+Reads a JSON written by ``cpu_bench.py --json`` (or ``gpu_check.py --json``), writes a PNG
+beside it (one panel per sequence length: saved activations left on the device against step
+time over eager, one labelled point per method) and replaces the block between
+``<!-- cpu-table:start -->`` and ``<!-- cpu-table:end -->`` (``gpu-table`` for gpu_check) in
+docs/benchmarks.md with the run's command, date, machine and table. Needs matplotlib
+(``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+MiB = 2**20
+FAMILY = {  # colour by where a method comes from
+    "eager": ("#555555", "o"),
+    "full_checkpoint": ("#555555", "s"),
+    "save_on_cpu": ("#555555", "D"),
+    "compiled": ("#1f77b4", "o"),
+    "torch_offload": ("#1f77b4", "D"),
+    "torch_budget": ("#1f77b4", "^"),
+}
+FXCKPT = ("#d62728", "*")
+
+
+def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if "rows" in doc:
+        return list(doc["rows"])
+    return [r for s in doc.get("suites", []) if s.get("check") == "table" for r in s.get("rows", [])]
+
+
+def plot(doc: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _rows(doc) if not r.get("unavailable")]
+    seqs = sorted({r["seq"] for r in rows})
+    fig, axes = plt.subplots(1, len(seqs), figsize=(6.2 * len(seqs), 4.8), squeeze=False)
+    gpu = "gpu" in doc.get("machine", {})
+    unit, scale = ("GiB", 2**30) if gpu else ("MiB", MiB)
+    for ax, seq in zip(axes[0], seqs, strict=True):
+        placed: list[tuple[float, float]] = []
+        here = sorted((r for r in rows if r["seq"] == seq),
+                      key=lambda r: (-r["resident_saved_bytes"], r["step_time_ratio"]))
+        for r in here:
+            colour, marker = FAMILY.get(r["method"], FXCKPT)
+            x, y = r["step_time_ratio"], r["resident_saved_bytes"] / scale
+            ax.errorbar(x, y, xerr=[[x - r["step_ratio_min"]], [r["step_ratio_max"] - x]],
+                        fmt=marker, color=colour, ms=11 if marker == "*" else 7, capsize=2,
+                        elinewidth=0.6, alpha=0.9)  # fmt: skip
+            # Points close together get their labels stacked downwards, not on top of each other.
+            near = sum(1 for px, py in placed if abs(px - x) < 0.08 and
+                       abs(py - y) <= 0.35 * max(py, y, 1e-9))
+            placed.append((x, y))
+            ax.annotate(r["method"], (x, y), textcoords="offset points",
+                        xytext=(7, 3 - 11 * near), fontsize=8, color=colour)  # fmt: skip
+        ax.set_title(f"seq {seq} x batch {rows[0]['batch']}")
+        ax.set_xlabel("step time / eager (median; bars: min-max of paired rounds)")
+        ax.set_ylabel(f"saved activations left on the device ({unit})")
+        ax.set_yscale("symlog", linthresh=0.1 if not gpu else 0.01)
+        ax.grid(True, alpha=0.3)
+    m = doc.get("machine", {})
+    fig.suptitle(f"Memory against step time (lower left is better)\n{m.get('gpu', m.get('cpu', ''))}"
+                 f", torch {m.get('torch', '?')}, {m.get('date', '')}", fontsize=10)
+    fig.text(0.01, 0.01, "grey: eager-mode baselines; blue: torch.compile/torch options; "
+             "red stars: fxckpt", fontsize=8)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03, 1, 0.93))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def docs_block(doc: dict[str, Any], image: Path) -> str:
+    from benchmarks.cpu_bench import markdown_table
+
+    m = doc.get("machine", {})
+    where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+    load = ""
+    if "loadavg_start" in m:
+        load = (f"; load average {m['loadavg_start'][0]:.1f} at the start and "
+                f"{m.get('loadavg_end', [float('nan')])[0]:.1f} at the end (a shared machine)")
+    lines = [
+        f"Command: `{doc['command']}`  ",
+        f"Date: {m.get('date', '?')}; machine: {where}; torch {m.get('torch', '?')}, "
+        f"torch threads {m.get('torch_threads', '?')}{load}; wall {m.get('wall_s', doc.get('wall_s', '?'))} s.",
+        "",
+        markdown_table(_rows(doc)),
+        "",
+    ]
+    if "suites" in doc:  # gpu_check: its own columns, and the gradient check
+        from benchmarks.gpu_check import gpu_table
+
+        grads = [r for s in doc["suites"] if s.get("check") == "gradients" for r in s["rows"]]
+        ok = all(r.get("grads_match") for r in grads)
+        lines += [gpu_table(_rows(doc)), "",
+                  f"Gradients against eager in float32 on CUDA: {'all match' if ok else 'MISMATCH'}"
+                  f" ({', '.join(r['method'] for r in grads)}).", ""]
+    lines += [
+        f"![memory against step time]({image.relative_to(DOC.parent).as_posix()})",
+    ]
+    return "\n".join(lines)
+
+
+def update_doc(block: str, key: str, doc_path: Path = DOC) -> bool:
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+    text = doc_path.read_text() if doc_path.exists() else ""
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        print(f"{doc_path} has no {start} ... {end} block; table not written there")
+        return False
+    doc_path.write_text(pattern.sub(lambda _: f"{start}\n{block}\n{end}", text))
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__.splitlines()[0])
+    p.add_argument("json", nargs="?", default="docs/benchmarks/cpu_quick.json",
+                   help="a JSON from cpu_bench.py or gpu_check.py")
+    p.add_argument("--out", help="the image (default: the JSON's path with .png)")
+    p.add_argument("--no-doc", action="store_true", help="only draw, leave the docs alone")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("benchmarks.plot needs matplotlib: pip install matplotlib")
+        return 1
+    src = Path(args.json)
+    doc = json.loads(src.read_text())
+    out = Path(args.out) if args.out else src.with_suffix(".png")
+    plot(doc, out)
+    print(f"wrote {out}")
+    if not args.no_doc:
+        key = "gpu-table" if "suites" in doc else "cpu-table"
+        image = out.resolve()
+        if DOC.parent in image.parents and update_doc(docs_block(doc, image), key):
+            print(f"updated the {key} block of {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
