@@ -38,10 +38,13 @@ class BudgetError(FxckptError):
         self.smallest_bytes = smallest_bytes
         self.suggestions = list(suggestions)
         hint = ("; to go lower: " + ", ".join(suggestions)) if suggestions else ""
-        super().__init__(
+        self.summary = (
             f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes: the smallest "
-            f"resident peak the planner reaches is {smallest_bytes} bytes{hint}. "
-            "Raise memory_budget, or pass on_infeasible='warn' to run the smallest plan."
+            f"resident peak the planner reaches is {smallest_bytes} bytes{hint}."
+        )
+        super().__init__(
+            f"{self.summary} Raise memory_budget, or pass on_infeasible='warn' to run the "
+            "smallest plan."
         )
 
 

@@ -15,6 +15,8 @@ from fxckpt.graph.blocks import find_blocks, module_path
         ("L['self']._modules['model']._modules['layers']._modules['7']", "model.layers.7"),
         ("L['mod'].h.11.mlp", "h.11.mlp"),
         ("head", "head"),
+        ("L['args'][0].model.layers.3.mlp", "model.layers.3.mlp"),
+        ("L['args'][0]._modules['lm_head']", "lm_head"),
     ],
 )
 def test_module_path_normalises_dynamo_paths(raw: str, want: str) -> None:

@@ -17,7 +17,9 @@ from fxckpt.graph import meta
 
 log = logging.getLogger(__name__)
 
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# The root a dynamo path starts from: L['self'], L['mod'], or L['args'][0] for a model
+# passed positionally, with any ._modules['x'] / [i] steps written in either form.
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\]|\['[^']*'\])*")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
 _TRAILING_INDEX = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
@@ -25,9 +27,9 @@ _TRAILING_INDEX = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
 
 def module_path(raw: str) -> str:
     """Normalise a dynamo module path (``L['self'].layers[0].ln``) to ``layers.0.ln``."""
-    path = _MODULES_ITEM.sub(r".\1", raw)
+    path = _DYNAMO_ROOT.sub("", raw)
+    path = _MODULES_ITEM.sub(r".\1", path)
     path = _INDEX_ITEM.sub(r".\1", path)
-    path = _DYNAMO_ROOT.sub("", path)
     return path.lstrip(".")
 
 

@@ -23,6 +23,7 @@ DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dens
 # without it their recompute would look free.
 DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
 DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
+DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5 x16 link
 
 _COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
@@ -115,7 +116,7 @@ def node_flops(node: torch.fx.Node) -> float:
 def flops_to_ms(flops: float, device: Any) -> float:
     """Milliseconds for ``flops`` at the default sustained rate of ``device``'s type."""
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
-    rate = DEFAULT_CUDA_FLOPS_PER_MS if str(kind).startswith("cuda") else DEFAULT_CPU_FLOPS_PER_MS
+    rate = DEFAULT_CUDA_FLOPS_PER_MS if _gpu_like(str(kind)) else DEFAULT_CPU_FLOPS_PER_MS
     return flops / rate
 
 
@@ -148,13 +149,21 @@ def _bandwidth(device: str) -> float:
     return _COPY_BYTES / max(best * 1e3, 1e-6)
 
 
+def _gpu_like(device: str) -> bool:
+    # Offline plans (fxckpt inspect) run on the meta device for a GPU that is not here.
+    return device.startswith(("cuda", "meta"))
+
+
 def measure_bandwidth(device: Any) -> float:
     """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
 
     CUDA: a pinned 64 MiB host buffer copied H2D then D2H, timed with CUDA events; the slower
-    direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate).
+    direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate). Meta (offline
+    planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link.
     """
     name = device if isinstance(device, str) else str(device)
+    if name.startswith("meta"):
+        return DEFAULT_PCIE_BYTES_PER_MS  # offline planning: nothing to measure
     if name == "cuda":
         import torch
 
@@ -224,5 +233,5 @@ def _traffic_ms(node: torch.fx.Node, device: str) -> float:
                 for s in v.shape:
                     numel *= s if isinstance(s, int) else 4096
                 total += numel * v.element_size()
-    rate = DEFAULT_CUDA_BYTES_PER_MS if device.startswith("cuda") else DEFAULT_CPU_BYTES_PER_MS
+    rate = DEFAULT_CUDA_BYTES_PER_MS if _gpu_like(device) else DEFAULT_CPU_BYTES_PER_MS
     return total / rate

@@ -226,7 +226,7 @@ def _infeasible(graph_name: str, budget: int, smallest: int, options: Options) -
     error = BudgetError(graph_name, budget, smallest, hints)
     if options.on_infeasible == "raise":
         raise error
-    warnings.warn(f"{error} Running the smallest plan instead.", stacklevel=2)
+    warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=2)
 
 
 def _resimulate(
