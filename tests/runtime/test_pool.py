@@ -129,7 +129,8 @@ def test_steady_state_makes_no_host_allocation():
         samples.append((snap["pool_bytes"], snap["host_allocations"]))
     warm = samples[50]
     assert samples[-1] == warm, "the pool grew after warm-up"
-    assert warm[0] <= 9 * size_class(1000 * 1024)
+    # 3 live tensors a step, 3 size classes; torch 2.11 frees handles a step later, hence 12.
+    assert warm[0] <= 12 * size_class(1000 * 1024)
     assert stats.snapshot()["pool_hits"] >= 150 * 3
 
 
