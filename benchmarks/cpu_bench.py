@@ -278,6 +278,7 @@ def run_suite(
         row["cpu_ms"] = 1e3 * median(row["cpu_s"])
         row["cpu_time_ratio"] = median(row["cpu_s"]) / median(eager["cpu_s"])
         paired = [a / b for a, b in zip(ts, eager["step_s"], strict=True)]
+        row["step_ratios"] = paired
         row["step_ratio_min"], row["step_ratio_max"] = min(paired), max(paired)
         row["compile_s"] = max(0.0, row["first_step_s"] - median(ts)) if row["compiled"] else 0.0
         if row["stall_s"]:
@@ -297,6 +298,24 @@ def run_suite(
     for row in row_list:
         row["peak_tracker"] = tracker.name
     return row_list
+
+
+def warm_compilers(device: torch.device, compiler: str = "eager") -> float:
+    """Compile a tiny decoder once with each backend, so that one-time costs (imports, the
+    first dynamo trace, fxckpt's bandwidth probe) do not land on whichever row compiles
+    first. Returns the seconds it took."""
+    from benchmarks.methods import fresh_backend
+
+    start = time.perf_counter()
+    tiny = DecoderConfig("warm-up", vocab=64, d=32, heads=2, layers=2, ffn=64)
+    idx, tgt = make_batch(tiny, 1, 16, device)
+    for backend, options in ((fresh_backend("aot_eager" if compiler == "eager" else "inductor"),
+                              None),
+                             ("fxckpt", {"compiler": compiler, "memory_budget": 0.5})):
+        model = Decoder(tiny).to(device)
+        torch.compile(model, backend=backend, options=options, dynamic=False)(idx, tgt).backward()
+    torch._dynamo.reset()
+    return time.perf_counter() - start
 
 
 def _row(spec: MethodSpec, runner: Runner, seq: int, batch: int,
@@ -435,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{facts['torch']}, torch threads {args.threads}\n{cfg.describe()}, batch {batch}")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+    facts["compiler_warmup_s"] = round(warm_compilers(torch.device("cpu"), args.compiler), 1)
     for seq in seqs:
         print(f"seq {seq}:")
         rows += run_suite(cfg, batch=batch, seq=seq, specs=specs, device=torch.device("cpu"),

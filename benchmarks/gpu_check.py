@@ -39,7 +39,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from benchmarks.cpu_bench import machine_info, markdown_table, run_suite  # noqa: E402
+from benchmarks.cpu_bench import (  # noqa: E402
+    machine_info,
+    markdown_table,
+    run_suite,
+    warm_compilers,
+)
 from benchmarks.methods import (  # noqa: E402
     BASELINE_SPECS,
     QWEN3_1_7B,
@@ -181,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "PYTHONPATH=. python benchmarks/gpu_check.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     bandwidth = pinned_bandwidth(device)
+    facts["compiler_warmup_s"] = round(warm_compilers(device, args.compiler), 1)
     print(f"{command}\n{facts['date']}, {facts.get('gpu', facts['cpu'])}, torch {facts['torch']}"
           f"\npinned bandwidth: D2H {bandwidth['d2h'] / 1e9:.1f} GB/s, H2D "
           f"{bandwidth['h2d'] / 1e9:.1f} GB/s")

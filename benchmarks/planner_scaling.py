@@ -22,6 +22,7 @@ of a run; nothing in fxckpt is changed.
 from __future__ import annotations
 
 import argparse
+import builtins
 import contextlib
 import json
 import logging
@@ -263,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip-compile", action="store_true", help="skip the compile-time share")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--docs", action="store_true",
+                   help="also put this report into docs/benchmarks.md (planner-table block)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 1024
@@ -271,11 +274,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.planner_scaling " + " ".join(
         sys.argv[1:] if argv is None else argv)
     doc: dict[str, Any] = {"command": command, "machine": machine_info(args.threads)}
-    print(command)
+    out: list[str] = []
 
-    print(f"\n1. Planning time, {SCALING_MODEL.describe()} at {args.layers} layers, batch "
+    def say(*parts: Any) -> None:  # printed, and kept for the docs
+        text = " ".join(str(p) for p in parts)
+        out.append(text)
+        builtins.print(text, flush=True)
+
+    say(command)
+
+    say(f"\n1. Planning time, {SCALING_MODEL.describe()} at {args.layers} layers, batch "
           f"{args.batch} x seq {args.seq}, memory_budget={args.budget}, offline (meta):")
-    print("| layers | candidates | positions | inspect s | partition ms | min-cuts ms "
+    say("| layers | candidates | positions | inspect s | partition ms | min-cuts ms "
           "| planning ms | solver ms |\n|---|---|---|---|---|---|---|---|")
     real, problems = [], []
     for layers in args.layers:
@@ -283,14 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         real.append(row)
         if cap.problems:
             problems.append((f"{layers}-layer decoder", cap.problems[0][0]))
-        print(f"| {layers} | {row['candidates']} | {row['positions']} | {row['inspect_s']:.1f} "
+        say(f"| {layers} | {row['candidates']} | {row['positions']} | {row['inspect_s']:.1f} "
               f"| {row['partition_ms']:.0f} | {row['min_cut_ms']:.0f} | {row['plan_ms']:.0f} "
-              f"| {row['solver_ms']:.0f} |", flush=True)
+              f"| {row['solver_ms']:.0f} |")
     doc["real_graphs"] = real
 
-    print(f"\n2. Greedy vs MILP; budget at {args.fractions} of the way from the unevictable "
+    say(f"\n2. Greedy vs MILP; budget at {args.fractions} of the way from the unevictable "
           "bytes to the all-keep peak (MILP: HiGHS, 10 s limit; 'no answer': it fell back):")
-    print("| problem | candidates | budget | greedy ms | MILP ms | greedy cost ms "
+    say("| problem | candidates | budget | greedy ms | MILP ms | greedy cost ms "
           "| MILP cost ms | gap |\n|---|---|---|---|---|---|---|---|")
     # Copies at 2.5 GB/s queue behind each other, where the MILP's linear copy model is only a
     # bound; at infinite bandwidth they never queue and the MILP is exact (solve.py).
@@ -308,16 +318,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 gap = f"{r['gap_ms']:+.2g} ms"
             else:
                 gap = "-"
-            print(f"| {label} | {r['candidates']} | {r['budget_fraction']} | "
+            say(f"| {label} | {r['candidates']} | {r['budget_fraction']} | "
                   f"{r['greedy_ms']:.0f} | {r['milp_ms']:.0f} | {r['greedy_cost_ms']:.4g} | "
-                  f"{milp} | {gap} |", flush=True)
+                  f"{milp} | {gap} |")
     doc["greedy_vs_milp"] = gaps
 
     if not args.skip_compile:
-        print("\n3. Compile time that fxckpt adds to aot_eager, real CPU tensors:")
+        say("\n3. Compile time that fxckpt adds to aot_eager, real CPU tensors:")
         share = compile_share(seq=128, batch=1)
         doc["compile_share"] = share
-        print(f"{share['model']}, batch 1 x seq 128: aot_eager compile "
+        say(f"{share['model']}, batch 1 x seq 128: aot_eager compile "
               f"{share['aot_eager']['compile_s']:.1f} s, fxckpt compile "
               f"{share['fxckpt']['compile_s']:.1f} s: +{100 * share['added_fraction']:.0f}% "
               f"(partitioner {share['fxckpt']['partition_ms'] / 1e3:.1f} s = "
@@ -334,12 +344,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     big_s = time.perf_counter() - start
     doc["greedy_big"] = {"candidates": args.big, "positions": 2 * args.big, "budget": "half the "
                          "all-keep peak", "seconds": big_s, "feasible": sol.feasible}
-    print(f"\n4. Greedy, synthetic {args.big} candidates x {2 * args.big} positions, budget half "
+    say(f"\n4. Greedy, synthetic {args.big} candidates x {2 * args.big} positions, budget half "
           f"the all-keep peak: {big_s:.2f} s (feasible={sol.feasible})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        print(f"wrote {args.json}")
+        builtins.print(f"wrote {args.json}")
+    if args.docs:
+        from benchmarks.plot import update_doc
+
+        m = doc["machine"]
+        head = (f"Command: `{command}`  \nDate: {m['date']}; machine: {m['cpu']}, {m['cores']} "
+                f"cores; torch {m['torch']}, torch threads {m['torch_threads']}; load average "
+                f"{m['loadavg_start'][0]:.1f} at the start.\n")
+        update_doc(head + "\n".join(out[1:]), "planner-table")
     return 0
 
 

@@ -22,15 +22,34 @@ from typing import Any
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MiB = 2**20
-FAMILY = {  # colour by where a method comes from
-    "eager": ("#555555", "o"),
-    "full_checkpoint": ("#555555", "s"),
-    "save_on_cpu": ("#555555", "D"),
+FAMILY = {  # colour by where a method comes from, marker by method
+    "eager": ("#444444", "o"),
+    "full_checkpoint": ("#444444", "s"),
+    "save_on_cpu": ("#444444", "D"),
     "compiled": ("#1f77b4", "o"),
     "torch_offload": ("#1f77b4", "D"),
     "torch_budget": ("#1f77b4", "^"),
 }
-FXCKPT = ("#d62728", "*")
+FXCKPT_MARKERS = ("*", "P", "X", "v", "h", "p", "<", ">")
+
+
+def _style(method: str, fx_seen: list[str]) -> tuple[str, str]:
+    if method in FAMILY:
+        return FAMILY[method]
+    if method not in fx_seen:
+        fx_seen.append(method)
+    return "#d62728", FXCKPT_MARKERS[fx_seen.index(method) % len(FXCKPT_MARKERS)]
+
+
+def _quartiles(r: dict[str, Any]) -> tuple[float, float]:
+    xs = sorted(r.get("step_ratios") or [r["step_ratio_min"], r["step_ratio_max"]])
+    lo, hi = (len(xs) - 1) * 0.25, (len(xs) - 1) * 0.75
+
+    def at(q: float) -> float:
+        i = int(q)
+        return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (q - i)
+
+    return at(lo), at(hi)
 
 
 def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,36 +66,33 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
 
     rows = [r for r in _rows(doc) if not r.get("unavailable")]
     seqs = sorted({r["seq"] for r in rows})
-    fig, axes = plt.subplots(1, len(seqs), figsize=(6.2 * len(seqs), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(seqs), figsize=(5.4 * len(seqs) + 2.2, 4.6), squeeze=False)
     gpu = "gpu" in doc.get("machine", {})
     unit, scale = ("GiB", 2**30) if gpu else ("MiB", MiB)
+    fx_seen: list[str] = []
+    handles: dict[str, Any] = {}
+    medians = [r["step_time_ratio"] for r in rows]
     for ax, seq in zip(axes[0], seqs, strict=True):
-        placed: list[tuple[float, float]] = []
-        here = sorted((r for r in rows if r["seq"] == seq),
-                      key=lambda r: (-r["resident_saved_bytes"], r["step_time_ratio"]))
-        for r in here:
-            colour, marker = FAMILY.get(r["method"], FXCKPT)
+        for r in (r for r in rows if r["seq"] == seq):
+            colour, marker = _style(r["method"], fx_seen)
             x, y = r["step_time_ratio"], r["resident_saved_bytes"] / scale
-            ax.errorbar(x, y, xerr=[[x - r["step_ratio_min"]], [r["step_ratio_max"] - x]],
-                        fmt=marker, color=colour, ms=11 if marker == "*" else 7, capsize=2,
-                        elinewidth=0.6, alpha=0.9)  # fmt: skip
-            # Points close together get their labels stacked downwards, not on top of each other.
-            near = sum(1 for px, py in placed if abs(px - x) < 0.08 and
-                       abs(py - y) <= 0.35 * max(py, y, 1e-9))
-            placed.append((x, y))
-            ax.annotate(r["method"], (x, y), textcoords="offset points",
-                        xytext=(7, 3 - 11 * near), fontsize=8, color=colour)  # fmt: skip
+            lo, hi = _quartiles(r)
+            h = ax.errorbar(x, y, xerr=[[max(0.0, x - lo)], [max(0.0, hi - x)]], fmt=marker,
+                            color=colour, ms=10 if marker == "*" else 7, capsize=2,
+                            elinewidth=0.7, alpha=0.9, label=r["method"])  # fmt: skip
+            handles.setdefault(r["method"], h)
         ax.set_title(f"seq {seq} x batch {rows[0]['batch']}")
-        ax.set_xlabel("step time / eager (median; bars: min-max of paired rounds)")
+        ax.set_xlabel("step time / eager (median; bars: quartiles of per-round ratios)")
         ax.set_ylabel(f"saved activations left on the device ({unit})")
         ax.set_yscale("symlog", linthresh=0.1 if not gpu else 0.01)
+        ax.set_xlim(min(medians) - 0.15, max(medians) + 0.25)
         ax.grid(True, alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8,
+               title="grey: eager mode\nblue: torch.compile\nred: fxckpt", title_fontsize=8)
     m = doc.get("machine", {})
     fig.suptitle(f"Memory against step time (lower left is better)\n{m.get('gpu', m.get('cpu', ''))}"
                  f", torch {m.get('torch', '?')}, {m.get('date', '')}", fontsize=10)
-    fig.text(0.01, 0.01, "grey: eager-mode baselines; blue: torch.compile/torch options; "
-             "red stars: fxckpt", fontsize=8)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.03, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 0.84, 0.93))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
