@@ -69,7 +69,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         from fxckpt.passes.partition import partition
 
-        kwargs.pop("compiler", None)
+        compiler = kwargs.pop("compiler", None)  # Inductor passes "inductor"; aot_autograd nothing
         num_fwd_outputs = kwargs.pop("num_fwd_outputs")
         return partition(
             gm,
@@ -78,6 +78,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
             graph_name=_graph_name(),
             num_fwd_outputs=num_fwd_outputs,
             record=record_plan,
+            inductor=compiler == "inductor",
             **kwargs,
         )
 

@@ -46,6 +46,15 @@ def _handle_val(like: torch.Tensor) -> torch.Tensor:
         return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _empty_val(gm: fx.GraphModule, device: torch.device) -> torch.Tensor:
+    for n in gm.graph.nodes:
+        fake_mode = getattr(n.meta.get("val"), "fake_mode", None)
+        if fake_mode is not None:
+            with fake_mode:
+                return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.empty(0, dtype=torch.uint8, device="meta")
+
+
 def _output(gm: fx.GraphModule) -> fx.Node:
     return gm.graph.find_nodes(op="output")[0]
 
@@ -104,13 +113,34 @@ def insert_offloads(
     return fw, bw
 
 
-def insert_note(fw: fx.GraphModule, resident: Sequence[str], plan_payload: str) -> fx.GraphModule:
+def insert_note(
+    fw: fx.GraphModule,
+    resident: Sequence[str],
+    plan_payload: str,
+    *,
+    anchor_device: torch.device | None = None,
+) -> fx.GraphModule:
     """After this pass the forward reports, at its end, the saved tensors left on the device
-    and the plan it runs (so a graph loaded from cache still knows its plan)."""
+    and the plan it runs (so a graph loaded from cache still knows its plan).
+
+    With ``anchor_device`` and nothing resident, the note also takes a zero-element tensor on
+    that device (0 bytes): Inductor's scheduler flushes pending C++ kernels only before an
+    extern op that has a device, and ``note_saved([])`` has none, so a kernel fused across it
+    read a buffer the note had already freed (UnboundLocalError in the generated code).
+    """
     nodes = {n.name: n for n in fw.graph.nodes}
     out = _output(fw)
+    saved = [nodes[n] for n in resident]
     with fw.graph.inserting_before(out):
-        note = fw.graph.call_function(NOTE_SAVED, ([nodes[n] for n in resident], plan_payload))
+        if not saved and anchor_device is not None:
+            empty = fw.graph.call_function(
+                torch.ops.aten.empty.memory_format,
+                ([0],),
+                {"dtype": torch.uint8, "device": anchor_device},
+            )
+            empty.meta["val"] = _empty_val(fw, anchor_device)
+            saved = [empty]
+        note = fw.graph.call_function(NOTE_SAVED, (saved, plan_payload))
     note.meta[meta.ROLE] = meta.ROLE_NOTE
     fw.recompile()
     return fw

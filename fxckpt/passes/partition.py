@@ -119,9 +119,13 @@ def partition(
     graph_name: str,
     num_fwd_outputs: int,
     record: Callable[[Plan], str],
+    inductor: bool = False,
     **kwargs: Any,
 ) -> GraphPair:
-    """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan."""
+    """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan.
+
+    ``inductor``: Inductor compiles the result (see :func:`insert_note`).
+    """
     kwargs["num_fwd_outputs"] = num_fwd_outputs
 
     def cut(gm: fx.GraphModule) -> GraphPair:
@@ -190,7 +194,7 @@ def partition(
         fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
         payload = record(plan)
         resident = [a.name for a in attempt.final if attempt.choices.get(a.storage, _KEEP).kind == "keep"]
-        fw = insert_note(fw, resident, payload)
+        fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
     _log_plan(plan)
     return fw, bw
 
