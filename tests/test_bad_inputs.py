@@ -1,0 +1,294 @@
+"""Bad options through the two ways in: ``fxckpt.backend(**kw)`` and ``torch.compile(options=)``.
+
+tests/test_options.py covers ``Options`` itself; here every option meets every kind of bad
+value that applies to it, at both entry points. ``fxckpt.backend`` refuses at once; through
+``torch.compile`` the refusal comes when dynamo calls the backend, and dynamo wraps it in
+``BackendCompilerFailed`` with the ``OptionsError`` as ``inner_exception`` (and
+``__context__``), its message repeated in dynamo's. Infeasible budgets raise ``BudgetError``
+with the smallest figure the planner reaches, and that figure is itself a budget that works.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from models import GPT, gpt_inputs
+
+import fxckpt
+from fxckpt.errors import BudgetError, OptionsError
+from fxckpt.options import OPTION_NAMES
+
+NAN = float("nan")
+INF = float("inf")
+
+# kind -> option -> bad values. ``None`` marks a kind that does not apply to the option (a
+# choice has no unit; a fraction has no "wrong unit" beyond its string form).
+MATRIX: dict[str, dict[str, list[Any] | None]] = {
+    "wrong type": {
+        "memory_budget": [[1], {"a": 1}, b"12GiB", True],
+        "segment_stride": ["2", 2.0, True, None],
+        "segment_width": ["1", 1.5, False],
+        "offload": [1, None, True],
+        "min_offload_bytes": [[], None, True, 1.5],
+        "prefetch": [0, None],
+        "copy_streams": ["2", 1.0, None, True],
+        "pinned_pool_bytes": [[], True, 0.5],
+        "bandwidth": [[], True, b"25GB/s"],
+        "cost_model": [1, None],
+        "compiler": [False, None],
+        "on_infeasible": [None, 0],
+        "blocks": [3, ["layers"], b"layers"],
+    },
+    "out of range": {
+        "memory_budget": [0, -1, 0.0, -0.5, 1.5, 12e9, "0B", "-5GB", "1.5B", "1e999", "lots", ""],
+        "segment_stride": [-1, -100],
+        "segment_width": [-1],
+        "offload": ["sometimes", "Never", ""],
+        "min_offload_bytes": [-1, -1.0, "-1KiB", "big"],
+        "prefetch": ["early", "JIT"],
+        "copy_streams": [0, -1, 33],
+        "pinned_pool_bytes": [-1, "-4KiB"],
+        "bandwidth": [0, 0.0, -1, -1e9, "0GB/s", "-1GB/s", 10**400],
+        "cost_model": ["time", "FLOPS"],
+        "compiler": ["aot_eager", "Inductor", "cudagraphs"],
+        "on_infeasible": ["ignore", "Raise"],
+        "blocks": ["(", "layers[", "*", ""],
+    },
+    "NaN or infinite": {
+        "memory_budget": [NAN, INF, -INF],
+        "segment_stride": [NAN, INF],
+        "segment_width": [NAN],
+        "offload": [NAN],
+        "min_offload_bytes": [NAN, INF],
+        "prefetch": [NAN],
+        "copy_streams": [NAN],
+        "pinned_pool_bytes": [NAN, INF],
+        "bandwidth": [NAN, INF, "infGB/s"],
+        "cost_model": [NAN],
+        "compiler": [NAN],
+        "on_infeasible": [NAN],
+        "blocks": [NAN],
+    },
+    "unknown unit": {
+        "memory_budget": ["12 XB", "12 GiBs", "12G", "12 parsecs"],
+        "segment_stride": None,
+        "segment_width": None,
+        "offload": None,
+        "min_offload_bytes": ["12 XB", "1MB/s", "1 KiBi"],
+        "prefetch": None,
+        "copy_streams": None,
+        "pinned_pool_bytes": ["12 XB", "12 GiBs"],
+        "bandwidth": ["25 XB/s", "25GB/h"],
+        "cost_model": None,
+        "compiler": None,
+        "on_infeasible": None,
+        "blocks": None,
+    },
+}
+
+# (options, the option blamed, a word the message must contain)
+WIDTH_ABOVE_STRIDE: list[tuple[dict[str, Any], str, str]] = [
+    ({"segment_stride": 2, "segment_width": 3}, "segment_width", "segment_stride=2"),
+    ({"segment_stride": 0, "segment_width": 1}, "segment_width", "segment_stride=0"),
+    ({"segment_stride": 1, "segment_width": 5}, "segment_width", "segment_stride=1"),
+]
+UNKNOWN_KEYS: list[tuple[str, str | None]] = [
+    ("memory_budjet", "memory_budget"),
+    ("segment_strid", "segment_stride"),
+    ("Offload", "offload"),
+    ("copystreams", "copy_streams"),
+    ("block", "blocks"),
+    ("pinned_pool", "pinned_pool_bytes"),
+    ("zzzzzz", None),
+]
+
+
+def _cases() -> list[tuple[str, dict[str, Any], str]]:
+    """(case id, options, the option the error must name)."""
+    out = []
+    for kind, per_option in MATRIX.items():
+        for name, values in per_option.items():
+            for value in values or ():
+                out.append((f"{kind}:{name}={value!r}"[:70], {name: value}, name))
+    for opts, name, _ in WIDTH_ABOVE_STRIDE:
+        out.append((f"width>stride:{opts}", opts, name))
+    for key, _ in UNKNOWN_KEYS:
+        out.append((f"unknown key:{key}", {key: 1}, key))
+    return out
+
+
+CASES = _cases()
+IDS = [c[0] for c in CASES]
+
+
+def test_the_matrix_covers_every_option_with_every_kind() -> None:
+    assert set(MATRIX) == {"wrong type", "out of range", "NaN or infinite", "unknown unit"}
+    for kind, per_option in MATRIX.items():
+        assert set(per_option) == set(OPTION_NAMES), (kind, set(OPTION_NAMES) ^ set(per_option))
+    byte_options = {"memory_budget", "min_offload_bytes", "pinned_pool_bytes", "bandwidth"}
+    assert {n for n, v in MATRIX["unknown unit"].items() if v} == byte_options
+    for kind in ("wrong type", "out of range", "NaN or infinite"):
+        assert all(MATRIX[kind][n] for n in OPTION_NAMES), kind
+    assert len(IDS) == len(set(IDS)), "case ids must be unique"
+
+
+def _check_message(err: OptionsError, name: str) -> None:
+    message = str(err)
+    assert err.option == name
+    assert repr(name) in message  # names the option
+    assert err.accepted and err.accepted in message  # and the accepted forms
+
+
+def _inner(exc: BaseException) -> BaseException | None:
+    """The exception a backend raised, out of dynamo's BackendCompilerFailed."""
+    seen = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, fxckpt.FxckptError):
+            return err
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    return None
+
+
+def _compile_and_run(options: Any, backend: Any = "fxckpt", **kw: Any) -> None:
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    torch.compile(lambda t: t.sin().sum(), backend=backend, options=options, **kw)(x)
+
+
+@pytest.mark.parametrize(("case", "options", "name"), CASES, ids=IDS)
+def test_fxckpt_backend_refuses(case: str, options: dict[str, Any], name: str) -> None:
+    with pytest.raises(OptionsError) as info:
+        fxckpt.backend(**options)
+    _check_message(info.value, name)
+
+
+@pytest.mark.parametrize(("case", "options", "name"), CASES, ids=IDS)
+def test_torch_compile_options_refuse_as_dynamos_inner_exception(
+    case: str, options: dict[str, Any], name: str
+) -> None:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        _compile_and_run(options)
+    inner = info.value.inner_exception
+    assert isinstance(inner, OptionsError), type(inner)
+    assert info.value.__context__ is inner or info.value.__cause__ is inner
+    _check_message(inner, name)
+    assert str(inner) in str(info.value)  # the user reads fxckpt's message in dynamo's
+
+
+@pytest.mark.parametrize(("key", "suggestion"), UNKNOWN_KEYS)
+def test_unknown_key_suggests_the_nearest_option_at_both_entries(key: str, suggestion: str | None) -> None:
+    with pytest.raises(OptionsError) as direct:
+        fxckpt.backend(**{key: 1})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as wrapped:
+        _compile_and_run({key: 1})
+    for message in (str(direct.value), str(wrapped.value)):
+        assert f"unknown option {key!r}" in message
+        if suggestion is None:
+            assert "did you mean" not in message
+        else:
+            assert f"did you mean {suggestion!r}?" in message
+
+
+@pytest.mark.parametrize(("options", "name", "word"), WIDTH_ABOVE_STRIDE)
+def test_width_above_stride_names_the_stride_at_both_entries(
+    options: dict[str, Any], name: str, word: str
+) -> None:
+    with pytest.raises(OptionsError, match=word):
+        fxckpt.backend(**options)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=word):
+        _compile_and_run(options)
+
+
+def test_options_given_twice_are_refused() -> None:
+    # fxckpt.backend(...) already holds its options; torch.compile(options=) must not add more.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        _compile_and_run({"segment_stride": 1}, backend=fxckpt.backend(compiler="eager"))
+    inner = _inner(info.value)
+    assert isinstance(inner, OptionsError) and inner.option == "options"
+    assert "fxckpt.backend(...)" in str(inner)
+
+
+def test_a_mode_with_the_eager_compiler_is_refused() -> None:
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(lambda t: t.sin().sum(), backend=fxckpt.backend(compiler="eager"), mode="max-autotune")(x)
+    inner = _inner(info.value)
+    assert isinstance(inner, OptionsError) and inner.option == "mode"
+    assert "compiler='eager'" in str(inner)
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [('{"segment_stride": -1}', "segment_stride"), ("{not json", "FXCKPT_OPTIONS"),
+     ('["segment_stride", 1]', "FXCKPT_OPTIONS"), ('{"memory_budjet": "1GiB"}', "memory_budjet")],
+)  # fmt: skip
+def test_bad_fxckpt_options_env_refuses_through_torch_compile(
+    monkeypatch: pytest.MonkeyPatch, env: str, name: str
+) -> None:
+    # The Hugging Face Trainer can only say backend="fxckpt"; options then come from the env.
+    monkeypatch.setenv("FXCKPT_OPTIONS", env)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        _compile_and_run(None)
+    inner = _inner(info.value)
+    assert isinstance(inner, OptionsError)
+    _check_message(inner, name)
+
+
+def test_explicit_options_override_a_bad_env_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXCKPT_OPTIONS", json.dumps({"segment_stride": -1}))
+    _compile_and_run({"segment_stride": 1, "compiler": "eager"})
+    assert len(fxckpt.last_plans()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Infeasible budgets
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt_step(options: dict[str, Any]) -> None:
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    torch.manual_seed(0)
+    model = GPT(n_layers=2, d=32)
+    torch.compile(model, backend="fxckpt", options=options)(*gpt_inputs(seq=32)).backward()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"memory_budget": 1000, "offload": "never"}, id="bytes-never"),
+        pytest.param({"memory_budget": "1KiB", "offload": "auto", "min_offload_bytes": "1MiB"}, id="kib-auto"),
+        pytest.param({"memory_budget": 0.001, "offload": "never", "segment_stride": 1}, id="fraction-stride"),
+    ],
+)
+def test_infeasible_budget_raises_budget_error_with_the_smallest_figure(options: dict[str, Any]) -> None:
+    options = {"compiler": "eager", "cost_model": "unit", **options}
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        _gpt_step(options)
+    err = _inner(info.value)
+    assert isinstance(err, BudgetError), type(err)
+    assert 0 < err.budget_bytes < err.smallest_bytes
+    assert f"{err.smallest_bytes} bytes" in str(err) and str(err) in str(info.value)
+    assert "on_infeasible='warn'" in str(err)
+    # The smallest figure is achievable: as the budget, it compiles and the plan meets it.
+    _gpt_step({**options, "memory_budget": err.smallest_bytes})
+    (plan,) = fxckpt.last_plans()
+    assert plan.budget_bytes == err.smallest_bytes
+    assert plan.resident_peak_bytes is not None and plan.resident_peak_bytes <= err.smallest_bytes
+
+
+def test_infeasible_budget_from_fxckpt_backend_is_the_same_error() -> None:
+    torch.manual_seed(0)
+    backend = fxckpt.backend(compiler="eager", cost_model="unit", memory_budget=1000, offload="never")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(GPT(n_layers=2), backend=backend)(*gpt_inputs(seq=32)).backward()
+    err = _inner(info.value)
+    assert isinstance(err, BudgetError)
+    assert err.budget_bytes == 1000 and err.smallest_bytes > 1000
+    assert "offload='auto'" in err.suggestions
