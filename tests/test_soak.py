@@ -1,0 +1,109 @@
+"""Soak: 1,000 training steps of a small GPT with offload, and nothing grows.
+
+After warm-up, the host pool holds the same bytes (no new host allocation at all), the
+process RSS stays within a small bound, the number of live tensors, handles, threads and
+engines is the same at the end as after warm-up, and the plan registry holds one plan.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+from models import GPT, gpt_inputs
+
+import fxckpt
+from fxckpt.runtime import engine, ops, pool, stats
+
+STEPS = 1000
+WARMUP = 100
+# RSS may move by allocator noise (glibc arenas, torch's CPU allocator); a real leak of even
+# one small activation per step (4 KiB x 900 steps = 3.5 MiB) would show in the trend below.
+RSS_SLACK_BYTES = 24 * 2**20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _live_tensors() -> int:
+    with warnings.catch_warnings():  # isinstance on some torch module objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def _fxckpt_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("fxckpt-"))
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    engine.configure()
+    pool.set_pool_cap(None)
+    yield
+    engine.configure()
+    pool.set_pool_cap(None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, heads=2, n_layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    backend = fxckpt.backend(
+        compiler="eager", offload="all", min_offload_bytes=0, cost_model="unit", copy_streams=2
+    )
+    compiled = torch.compile(model, backend=backend)
+    batches = [gpt_inputs(vocab=16, seq=8, seed=s) for s in range(4)]
+
+    def train(n: int) -> None:
+        for i in range(n):
+            opt.zero_grad(set_to_none=True)
+            loss = compiled(*batches[i % len(batches)])
+            loss.backward()
+            opt.step()
+
+    train(WARMUP)
+    gc.collect()
+    warm = stats.snapshot()
+    warm_rss, warm_tensors = _rss_bytes(), _live_tensors()
+    warm_handles, warm_threads = ops.live_handles(), threading.active_count()
+    warm_workers = _fxckpt_threads()
+    warm_pool = pool.get_pool("cpu").usage()
+    assert warm["offload_calls"] > 0 and warm["pool_bytes"] > 0
+
+    rss = []
+    for _ in range((STEPS - WARMUP) // 100):
+        train(100)
+        rss.append(_rss_bytes())
+    gc.collect()
+    end = stats.snapshot()
+
+    # The host pool: not one byte or allocation more, and no buffer stuck in use.
+    assert end["pool_bytes"] == warm["pool_bytes"]
+    assert end["host_allocations"] == warm["host_allocations"]
+    assert end["pool_high_water_bytes"] == warm["pool_high_water_bytes"]
+    assert end["pool_hits"] - warm["pool_hits"] == end["offload_calls"] - warm["offload_calls"]
+    assert pool.get_pool("cpu").usage()["in_use_bytes"] == warm_pool["in_use_bytes"]
+    assert end["offloaded_bytes"] == end["prefetched_bytes"]
+    assert end["offload_calls"] == STEPS * warm["offload_calls"] // WARMUP
+
+    # Process memory: flat within allocator noise, and no upward trend over the last 900 steps.
+    assert max(rss) - warm_rss < RSS_SLACK_BYTES, [r - warm_rss for r in rss]
+    assert rss[-1] - rss[len(rss) // 2] < RSS_SLACK_BYTES // 2, [r - warm_rss for r in rss]
+
+    # Objects: the same tensors, handles, threads and engines as after warm-up.
+    assert _live_tensors() == warm_tensors
+    assert ops.live_handles() == warm_handles
+    assert threading.active_count() == warm_threads
+    assert _fxckpt_threads() == warm_workers
+    assert 2 <= len(warm_workers) <= 4  # copy_streams=2: at most two workers per direction
+    assert all(n.startswith(("fxckpt-d2h", "fxckpt-h2d")) for n in warm_workers)
+    assert list(engine._engines) == [torch.device("cpu")]  # one engine: no stream or pool per step
+    assert len(fxckpt.last_plans()) == 1
