@@ -290,8 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     say(command)
 
-    say(f"\n1. Planning time, {SCALING_MODEL.describe()} at {args.layers} layers, batch "
-          f"{args.batch} x seq {args.seq}, memory_budget={args.budget}, offline (meta):")
+    model = SCALING_MODEL.describe().replace(f"{SCALING_MODEL.layers} layers, ", "")
+    say(f"\n1. Planning time, {model}, {args.layers} layers, batch {args.batch} x seq "
+        f"{args.seq}, memory_budget={args.budget}, offline (meta); the min-cuts are torch's "
+        "min_cut_rematerialization_partition calls fxckpt makes (baseline, tagged, re-plans):\n")
     say("| layers | candidates | positions | inspect s | partition ms | min-cuts ms "
           "| planning ms | solver ms |\n|---|---|---|---|---|---|---|---|")
     real, problems = [], []
@@ -314,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     say(f"\n2. Greedy vs MILP; budget at {args.fractions} of the way from the lowest reachable "
         "peak to the all-keep peak (MILP: HiGHS, 10 s limit; 'no answer': it returned none and "
-        "solve fell back to the greedy). Gap: greedy's simulated added ms over the MILP's:")
+        "solve fell back to the greedy). Gap: greedy's simulated added ms over the MILP's:\n")
     say("| problem | candidates | budget | greedy ms | MILP ms | greedy cost ms "
           "| MILP cost ms | gap |\n|---|---|---|---|---|---|---|---|")
     # Copies at 2.5 GB/s queue behind each other, where the MILP's linear copy model is only a
