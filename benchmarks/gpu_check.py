@@ -207,11 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     bf16_tol = {"rtol": 5e-2, "atol": 1e-2}  # bf16 rounding after reordered compiled ops
     probe = memory_probe(device, bandwidth)
     table: list[dict[str, Any]] = []
+    last_s = 0.0
     for seq in seqs:
-        if time.perf_counter() - started > args.deadline_s:
-            print(f"\nseq {seq}: skipped, past --deadline-s {args.deadline_s:.0f}")
+        # A longer sequence costs more than the last one: guess 1.5x, and skip what would end
+        # past the deadline rather than be cut off by the machine's limit.
+        elapsed = time.perf_counter() - started
+        if elapsed + 1.5 * last_s > args.deadline_s:
+            print(f"\nseq {seq}: skipped: {elapsed:.0f} s spent, the last sequence length took "
+                  f"{last_s:.0f} s, --deadline-s {args.deadline_s:.0f}")
             doc["suites"].append({"check": "table", "seq": seq, "skipped": "deadline"})
             continue
+        suite_start = time.perf_counter()
         print(f"\n2. {big.describe()}, {dtype}, batch 1 x seq {seq}")
         try:
             rows = run_suite(big, batch=1, seq=seq, specs=specs, device=device, dtype=dtype,
@@ -224,13 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
             continue
         table += rows
+        last_s = time.perf_counter() - suite_start
+        print(f"seq {seq}: {last_s:.0f} s")
         doc["suites"].append({"check": "table", "model": big.__dict__, "dtype": str(dtype),
                               "seq": seq, "tolerances": bf16_tol, "rows": rows})  # fmt: skip
         failures += [f"grads {seq} {r['method']}: {r['grads_note']}" for r in rows
                      if not r.get("unavailable") and not r.get("grads_match")]  # fmt: skip
     if table:
         print("\n" + markdown_table(table) + "\n\n" + gpu_table(table))
-    doc["wall_s"] = round(time.perf_counter() - started, 1)
+    doc["wall_s"] = facts["wall_s"] = round(time.perf_counter() - started, 1)
+    facts["loadavg_end"] = list(os.getloadavg())
     doc["failures"] = failures
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
