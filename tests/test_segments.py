@@ -128,3 +128,41 @@ def test_blocks_regex_overrides_detection() -> None:
     # Block 2 is a one-block segment: its interior is recomputed and only its output, the
     # input of segment 3, stays.
     assert block2.count("keep") == 1 and block2.count("recompute") >= 3
+
+
+class SdpaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).unbind(2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+        )
+        return x + self.o(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize(
+    "compiler", ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.inductor])]
+)
+def test_sdpa_without_dropout_is_recomputed_inside_segments(compiler: str) -> None:
+    # torch tags SDPA nondeterministic_seeded even at dropout_p=0; fxckpt must not keep it.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(SdpaBlock() for _ in range(3)))
+    wrapped = nn.ModuleDict({"layers": model})
+    x = torch.randn(B, T, D, requires_grad=True)
+    compiled = torch.compile(
+        lambda t: wrapped["layers"](t).sum(),
+        backend=fxckpt.backend(segment_stride=1, compiler=compiler),
+    )
+    compiled(x).backward()
+    got = x.grad.clone()
+    x.grad = None
+    wrapped["layers"](x).sum().backward()
+    torch.testing.assert_close(got, x.grad)
+    (plan,) = fxckpt.last_plans()
+    # Besides the inputs of blocks 1 and 2, only the CPU RNG states (uint8) the partitioner
+    # saves to replay a recomputed SDPA stay: no attention output.
+    kept = [r for r in plan.activations if r.decision.kind == "keep" and r.dtype == "float32"]
+    assert sorted(r.module for r in kept) == ["layers.0", "layers.1"], [r.name for r in kept]

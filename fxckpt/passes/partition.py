@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -149,7 +150,11 @@ def partition(
         tagged = clone_joint(joint)
         with step(graph_name, "segment"):
             report = tag_segments(tagged, blocks, stride, width, extra_blocks=extra)
-        attempt = _plan(tagged, cut, blocks, options, budget, device, graph_name, num_fwd_outputs)
+        # Nothing tagged: the partition is the baseline's, so skip a min-cut run.
+        reuse = (base_fw, base_bw) if report.tagged == 0 else None
+        attempt = _plan(
+            tagged, cut, blocks, options, budget, device, graph_name, num_fwd_outputs, reuse
+        )
         if attempt.feasible:
             break
     if extra:
@@ -193,7 +198,7 @@ def partition(
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
         payload = record(plan)
-        resident = [a.name for a in attempt.final if attempt.choices.get(a.storage, _KEEP).kind == "keep"]
+        resident = _resident(fw, attempt)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
     _log_plan(plan)
     return fw, bw
@@ -211,10 +216,11 @@ def _plan(
     device: torch.device,
     graph_name: str,
     num_fwd_outputs: int,
+    reuse: GraphPair | None = None,
 ) -> Attempt:
     """Partition, then plan; recompute choices re-tag the joint graph and partition again."""
     with step(graph_name, "min-cut"):
-        fw, bw = cut(tagged)
+        fw, bw = reuse if reuse is not None else cut(tagged)
         attempt = Attempt(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks), {})
     for round_ in range(MAX_PLAN_ROUNDS):
         offloadable = {a.name for a in offload_candidates(attempt.final, attempt.fw, num_fwd_outputs, options)}
@@ -273,6 +279,24 @@ def _extra_segment_steps(
         yield frozenset(free[::2])
     if free:
         yield frozenset(free)
+
+
+def _resident(fw: fx.GraphModule, attempt: Attempt) -> list[str]:
+    """Kept saved tensors the note reports. RNG states the partitioner saves to replay a
+    recomputed op (``run_and_save_rng_state``) carry real tensors as meta values, which
+    Inductor's fake-tensor lowering of the note would refuse; they are a few KiB."""
+    nodes = {n.name: n for n in fw.graph.nodes}
+    return [
+        a.name
+        for a in attempt.final
+        if attempt.choices.get(a.storage, _KEEP).kind == "keep" and not _is_rng_state(nodes[a.name])
+    ]
+
+
+def _is_rng_state(node: fx.Node) -> bool:
+    rng = torch.ops.higher_order.run_and_save_rng_state
+    parent = node.args[0] if node.target is operator.getitem and node.args else None
+    return node.target is rng or (isinstance(parent, fx.Node) and parent.target is rng)
 
 
 def _offloaded(attempt: Attempt) -> list[tuple[SavedActivation, int, int]]:

@@ -28,10 +28,22 @@ def segment_of(block: int, stride: int, width: int) -> int | None:
 
 
 def _is_random(node: fx.Node) -> bool:
+    """Whether recomputing the node would draw new random numbers.
+
+    torch tags every SDPA kernel ``nondeterministic_seeded``, dropout or not; one called with
+    ``dropout_p=0`` draws nothing, so it may be recomputed like any other op.
+    """
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    )
+    if not (
+        isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def _random_output(node: fx.Node) -> bool:
