@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fxckpt._torch_compat import size_hint
+
 if TYPE_CHECKING:
     import torch
     import torch.fx
@@ -108,7 +110,9 @@ def node_flops(node: torch.fx.Node) -> float:
             return 0.0
         with FlopCounterMode(display=False) as counter:
             node.target(*got[0], **got[1])  # type: ignore[operator]
-        return float(counter.get_total_flops())
+        # With symbolic sizes the count is a SymInt; float() on it would install a guard
+        # (dynamo then recompiles the graph for every new length). Take its hint instead.
+        return float(size_hint(counter.get_total_flops(), 0))
     except Exception:
         return 0.0
 

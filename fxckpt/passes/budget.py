@@ -23,6 +23,7 @@ from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.costs import is_random, measure_bandwidth, node_cost_ms, node_flops
 from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.options import Options
+from fxckpt.passes.offload import bound_symbols, restorable
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution, solve
 from fxckpt.runtime.pool import size_class
@@ -296,20 +297,22 @@ def offload_candidates(
 ) -> list[SavedActivation]:
     """Saved activations the runtime may offload.
 
-    Never model outputs (the user holds them), never tensors with symbolic sizes (the
-    restore op needs concrete sizes), never tensors below ``min_offload_bytes``.
+    Never model outputs (the user holds them), never tensors below ``min_offload_bytes``,
+    and tensors with symbolic sizes only when the backward can rebuild every size and stride
+    from the SymInts it receives (the restore op, ``wait``, takes them as arguments).
     """
     if options.offload == "never":
         return []
     out = fw.graph.find_nodes(op="output")[0]
     user_outputs = {v.name for v in out.args[0][:num_fwd_outputs] if isinstance(v, fx.Node)}
+    bound = bound_symbols(out.args[0][num_fwd_outputs:])
     nodes = {n.name: n for n in fw.graph.nodes}
     result = []
     for a in final:
         val = nodes[a.name].meta["val"]
         if a.name in user_outputs or a.first_bw_use < 0 or a.bytes < options.min_offload_bytes:
             continue
-        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+        if not restorable(val, bound):
             continue
         result.append(a)
     return result

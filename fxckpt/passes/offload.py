@@ -9,11 +9,16 @@ it back from ``wait`` before its first use. Where each op sits comes from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
+from torch.utils._sympy.functions import FloorDiv
 
 from fxckpt.graph import meta
 from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
@@ -59,6 +64,74 @@ def _output(gm: fx.GraphModule) -> fx.Node:
     return gm.graph.find_nodes(op="output")[0]
 
 
+# Symbolic sizes and strides reach ``wait`` as arithmetic over the SymInts the backward
+# receives: min-cut binds every free symbol of a saved tensor to a backward input
+# (``_extract_fwd_bwd_modules``), so these few operators rebuild any size or stride.
+_SYM_OPS: dict[type, Any] = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
+
+
+def _sym_exprs(val: torch.Tensor) -> list[sympy.Expr]:
+    return [
+        d.node.expr for d in (*val.shape, *val.stride()) if isinstance(d, torch.SymInt)
+    ]
+
+
+def _expressible(expr: sympy.Expr, bound: set[sympy.Expr]) -> bool:
+    if expr.is_Integer or expr in bound:
+        return True
+    if isinstance(expr, sympy.Pow):
+        exp = expr.exp
+        return bool(exp.is_Integer and exp > 0 and _expressible(expr.base, bound))
+    if type(expr) in _SYM_OPS:
+        return all(_expressible(a, bound) for a in expr.args)
+    return False
+
+
+def bound_symbols(saved: Iterable[Any]) -> set[sympy.Expr]:
+    """The symbolic expressions the backward receives as SymInt inputs, from the forward's
+    saved outputs."""
+    out = set()
+    for n in saved:
+        val = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if isinstance(val, torch.SymInt):
+            out.add(val.node.expr)
+    return out
+
+
+def restorable(val: torch.Tensor, bound: set[sympy.Expr]) -> bool:
+    """Whether ``wait`` can be handed ``val``'s sizes and strides inside the backward: each
+    is an int, or sums, products, powers and floor divisions of SymInts in ``bound``."""
+    return all(_expressible(e, bound) for e in _sym_exprs(val))
+
+
+def _emit(graph: fx.Graph, expr: sympy.Expr, table: dict[sympy.Expr, fx.Node]) -> Any:
+    """An int, or a node of ``graph`` that computes ``expr`` from the SymInt inputs."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr in table:
+        return table[expr]
+    if isinstance(expr, sympy.Pow):
+        op, args = operator.mul, [expr.base] * int(expr.exp)
+    else:
+        op, args = _SYM_OPS[type(expr)], list(expr.args)
+    parts = [_emit(graph, a, table) for a in args]
+
+    def combine(a: Any, b: Any) -> Any:
+        node = graph.call_function(op, (a, b))
+        vals = [x.meta["val"] if isinstance(x, fx.Node) else x for x in (a, b)]
+        node.meta["val"] = op(*vals)
+        return node
+
+    result = functools.reduce(combine, parts)
+    if isinstance(result, fx.Node):
+        table[expr] = result
+    return result
+
+
+def _sizes(graph: fx.Graph, dims: Sequence[Any], table: dict[sympy.Expr, fx.Node]) -> list[Any]:
+    return [_emit(graph, d.node.expr, table) if isinstance(d, torch.SymInt) else int(d) for d in dims]
+
+
 def insert_offloads(
     fw: fx.GraphModule, bw: fx.GraphModule, placements: Sequence[Placement]
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -68,6 +141,10 @@ def insert_offloads(
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     bw_nodes = {n.name: n for n in bw.graph.nodes}
     bw_position = {n: i for i, n in enumerate(bw.graph.nodes)}
+    sym_inputs: dict[sympy.Expr, fx.Node] = {}
+    for n in bw.graph.find_nodes(op="placeholder"):
+        if isinstance(v := n.meta.get("val"), torch.SymInt):
+            sym_inputs.setdefault(v.node.expr, n)
     out = _output(fw)
     outputs = list(out.args[0])  # type: ignore[arg-type]
     for p in placements:
@@ -98,9 +175,14 @@ def insert_offloads(
             {"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name}
         )
         with bw.graph.inserting_before(first_use):
+            # Symbolic sizes become nodes over the backward's SymInt inputs (placed here, so
+            # they sit after every placeholder); a fresh table per wait keeps them local.
+            table = dict(sym_inputs)
+            size = _sizes(bw.graph, val.shape, table)
+            stride = _sizes(bw.graph, val.stride(), table)
             # wait takes prefetch's ticket, so no scheduler can put the prefetch after it.
             restored = bw.graph.call_function(
-                WAIT, (new_ph, pre, list(val.shape), list(val.stride()), val.dtype, val.device)
+                WAIT, (new_ph, pre, size, stride, val.dtype, val.device)
             )
         restored.meta.update(dict(ph.meta))
         restored.meta.update({meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: p.name})
