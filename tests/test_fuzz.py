@@ -14,6 +14,7 @@ at the bottom of this file.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import warnings
@@ -23,7 +24,7 @@ import pytest
 import torch
 from equality import assert_step_matches
 from fuzz_models import MENU, Spec, build
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
 import fxckpt
@@ -82,7 +83,7 @@ def option_sets(draw: st.DrawFn) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "compiler": "eager",
         "segment_stride": stride,
-        "offload": draw(st.sampled_from(["auto", "never", "all"])),
+        "offload": draw(st.sampled_from(["auto", "all", "all", "never"])),
         # "unit" is deterministic and fast; "flops" runs FlopCounterMode on fake tensors.
         "cost_model": draw(st.sampled_from(["unit", "unit", "unit", "flops"])),
         "on_infeasible": "warn",
@@ -90,16 +91,19 @@ def option_sets(draw: st.DrawFn) -> dict[str, Any]:
     width = draw(st.none() | st.integers(0, stride))
     if width is not None:
         opts["segment_width"] = width
-    budget = draw(
-        st.none()
-        | st.floats(0.02, 1.0)
-        | st.integers(500, 200_000)
-        | st.sampled_from(["4KiB", "64KiB", "1MB", "auto"])
-    )
+    budget_kind = draw(st.sampled_from(["none", "fraction", "fraction", "bytes", "string"]))
+    budget = {
+        "none": st.none(),
+        "fraction": st.floats(0.02, 1.0),
+        "bytes": st.integers(500, 200_000),
+        "string": st.sampled_from(["4KiB", "64KiB", "1MB", "auto"]),
+    }[budget_kind]
+    budget = draw(budget)
     if budget is not None:
         opts["memory_budget"] = budget
+    # The default (1 MiB) is above every tensor of these small models, so mostly 0.
+    opts["min_offload_bytes"] = draw(st.sampled_from([0, 0, 0, 256, 256, "4KiB", "1MiB"]))
     optional = {
-        "min_offload_bytes": st.sampled_from([0, 0, 256, "4KiB"]),
         "prefetch": st.sampled_from(["auto", "jit"]),
         "copy_streams": st.integers(1, 2),
         "pinned_pool_bytes": st.none() | st.sampled_from([4096, 16384, "64KiB"]),
@@ -119,6 +123,27 @@ def _tolerance(spec: Spec, options: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
+class KnownTorchBug(Exception):
+    """The example fails under plain ``aot_eager`` too: torch's bug, not fxckpt's."""
+
+
+# pytorch/pytorch#120035: under AOTAutograd, native_dropout_backward of a non-contiguous
+# gradient is given contiguous strides on fake tensors but keeps the gradient's strides on
+# real ones, and a view of it in the backward graph then fails. Eager and Inductor are fine.
+AOT_DROPOUT_STRIDES = "view size is not compatible with input tensor's size and stride"
+
+
+def _fails_under_plain_aot_eager(spec: Spec, message: str) -> bool:
+    torch._dynamo.reset()
+    model, inputs = build(spec)
+    model.train()
+    try:
+        torch.compile(model, backend="aot_eager")(*inputs).backward()
+    except RuntimeError as e:
+        return message in str(e)
+    return False
+
+
 def check(spec: Spec, options: dict[str, Any], *, delay: float = 0.0, steps: int = 2) -> list[fxckpt.Plan]:
     """Train ``steps`` steps of ``spec`` under ``options`` and check everything; returns plans."""
     torch._dynamo.reset()
@@ -133,15 +158,20 @@ def check(spec: Spec, options: dict[str, Any], *, delay: float = 0.0, steps: int
     model.train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_step_matches(
-            model,
-            inputs,
-            fxckpt.backend(**options),
-            reference_backend="aot_eager" if spec.random else None,
-            seed=spec.seed,
-            steps=steps,
-            **_tolerance(spec, options),
-        )
+        try:
+            assert_step_matches(
+                model,
+                inputs,
+                fxckpt.backend(**options),
+                reference_backend="aot_eager" if spec.random else None,
+                seed=spec.seed,
+                steps=steps,
+                **_tolerance(spec, options),
+            )
+        except RuntimeError as e:
+            if AOT_DROPOUT_STRIDES in str(e) and _fails_under_plain_aot_eager(spec, AOT_DROPOUT_STRIDES):
+                raise KnownTorchBug(str(e)) from e
+            raise
     infeasible = any("cannot meet memory_budget" in str(w.message) for w in caught)
 
     plans = fxckpt.last_plans()
@@ -174,7 +204,10 @@ def check(spec: Spec, options: dict[str, Any], *, delay: float = 0.0, steps: int
 def test_random_models_under_random_options_train_like_eager(
     spec: Spec, options: dict[str, Any], delay: float
 ) -> None:
-    (plan,) = check(spec, options, delay=delay)
+    try:
+        (plan,) = check(spec, options, delay=delay)
+    except KnownTorchBug:
+        reject()  # not fxckpt's to fix; see test_regression_dropout_then_transpose_...
     # Shown by --hypothesis-show-statistics: what the examples exercised.
     for kind in sorted({r.decision.kind for r in plan.activations}):
         event(f"decision {kind}")
@@ -250,3 +283,30 @@ def test_regression_inductor_offload_all_with_nothing_resident() -> None:
     assert_step_matches(Head(), (x,), backend, steps=2, atol=1e-5, rtol=1e-4)
     (plan,) = fxckpt.last_plans()
     assert {r.decision.kind for r in plan.activations} == {"offload"}
+
+
+@pytest.mark.xfail(strict=True, reason="pytorch/pytorch#120035, torch's bug: remove the fuzz's reject once fixed")
+def test_regression_dropout_then_transpose_fails_under_plain_aot_eager() -> None:
+    # Found by the nightly fuzz: Spec(ops=("dropout", "transpose"), n_blocks=1,
+    # residual=False) failed in the backward with "view size is not compatible". Plain
+    # aot_eager, without fxckpt, fails the same way, so the fuzz rejects such examples.
+    # Strict: when torch fixes it, this test fails and the rejection can go.
+    torch.manual_seed(0)
+    lin, mix = torch.nn.Linear(8, 8), torch.randn(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.dropout(lin(x), 0.25, True)
+        return (y.transpose(1, 2).sigmoid() @ mix).square().mean()
+
+    torch.compile(f, backend="aot_eager")(torch.randn(2, 4, 8)).backward()
+
+
+def test_regression_dropout_then_transpose_is_recognised_as_torchs_bug() -> None:
+    # The shrunk example from the nightly run: check() must call it torch's bug (plain
+    # aot_eager fails too) rather than pass it or blame fxckpt.
+    spec = Spec(ops=("dropout", "transpose"), n_blocks=1, d=8, batch=2, seq=4, residual=False)
+    options = {"compiler": "eager", "segment_stride": 0, "offload": "auto", "cost_model": "unit"}
+    with pytest.raises(KnownTorchBug, match="view size is not compatible"):
+        check(spec, options)
+    # The same model without the transpose right after dropout trains like aot_eager.
+    check(dataclasses.replace(spec, residual=True), options)
