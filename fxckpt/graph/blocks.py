@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 _DYNAMO_ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\]|\['[^']*'\])*")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
-_TRAILING_INDEX = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
+# An item of a ModuleList / Sequential: "layers.3". The dot is required: an attribute named
+# like "fc1" is not the second item of a container "fc".
+_TRAILING_INDEX = re.compile(r"^(?P<prefix>.*)\.(?P<index>\d+)$")
 
 
 def module_path(raw: str) -> str:
