@@ -115,3 +115,83 @@ def hf_model(arch: str, *, dropout: float = 0.0, layers: int = 2) -> tuple[nn.Mo
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (2, seq), generator=g)
     return model, {"input_ids": ids, "labels": ids}
+
+
+def hf_zoo_model(
+    arch: str, *, dropout: float = 0.0, layers: int = 2, seq: int = 12
+) -> tuple[nn.Module, dict[str, Any]]:
+    """More tiny Hugging Face models from configs (no download), with inputs and labels.
+
+    Encoders (``bert``, ``roberta``, ``modernbert``, ``vit``), an encoder-decoder (``t5``),
+    decoders (``gpt_neox``, ``opt``, ``mistral``, ``phi3``, ``gemma2``) and a mixture of experts
+    (``mixtral``). ``dropout`` sets every dropout probability the config has; attention then
+    runs the eager path, whose dropout is an ordinary op (SDPA's would be fused).
+    """
+    import transformers as tf
+
+    torch.manual_seed(0)
+    vocab = 128
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, max_position_embeddings=64,
+    )
+    decoder = dict(common, num_key_value_heads=2)
+    p = dropout
+    if arch == "bert":
+        model = tf.BertForMaskedLM(
+            tf.BertConfig(**common, hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+        )
+    elif arch == "roberta":
+        model = tf.RobertaForMaskedLM(
+            tf.RobertaConfig(**common, hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=1)
+        )
+    elif arch == "modernbert":
+        model = tf.ModernBertForMaskedLM(
+            tf.ModernBertConfig(
+                **common, pad_token_id=0, attention_dropout=p, mlp_dropout=p, embedding_dropout=p
+            )
+        )
+    elif arch == "gpt_neox":
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common, hidden_dropout=p, attention_dropout=p))
+    elif arch == "opt":
+        model = tf.OPTForCausalLM(
+            tf.OPTConfig(
+                vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=layers,
+                num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                dropout=p, attention_dropout=p,
+            )
+        )
+    elif arch == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**decoder, sliding_window=8))
+    elif arch == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**decoder, pad_token_id=0))
+    elif arch == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**decoder, head_dim=8, sliding_window=8))
+    elif arch == "mixtral":
+        model = tf.MixtralForCausalLM(
+            tf.MixtralConfig(**decoder, num_local_experts=4, num_experts_per_tok=2)
+        )
+    elif arch == "t5":
+        model = tf.T5ForConditionalGeneration(
+            tf.T5Config(
+                vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
+                dropout_rate=p, decoder_start_token_id=0,
+            )
+        )
+    elif arch == "vit":
+        model = tf.ViTForImageClassification(
+            tf.ViTConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=4, image_size=16, patch_size=4, num_labels=3,
+                hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+            )
+        )
+    else:
+        raise ValueError(arch)
+    # Gemma 2 soft-caps attention logits, which SDPA does not support.
+    model.config._attn_implementation = "eager" if dropout or arch == "gemma2" else "sdpa"
+    g = torch.Generator().manual_seed(1)
+    if arch == "vit":
+        return model, {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.tensor([0, 2])}
+    ids = torch.randint(2, vocab, (2, seq), generator=g)
+    return model, {"input_ids": ids, "labels": ids}
