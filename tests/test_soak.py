@@ -45,7 +45,12 @@ def _fxckpt_threads() -> list[str]:
 def _clean_runtime():
     engine.configure()
     pool.set_pool_cap(None)
+    # Tensors this small gain nothing from intra-op threads, and on a busy 2-core CI machine
+    # OpenMP's spinning workers fight the copy workers: one thread keeps 1,000 steps quick.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     engine.configure()
     pool.set_pool_cap(None)
 
