@@ -13,14 +13,15 @@ rest. ``FXCKPT_HF_ZOO=1`` also runs every other architecture ``hf_zoo_model`` bu
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any
 
 import pytest
 import torch
-from equality import step
-from models import hf_model, hf_zoo_model
+from equality import assert_step_matches, step
+from models import GPT, gpt_inputs, hf_model, hf_zoo_model
 
 import fxckpt
 
@@ -131,3 +132,72 @@ def test_dropout_is_live_in_the_reference() -> None:
 @pytest.mark.parametrize("arch", ZOO)
 def test_more_hf_architectures(arch: str, setting: str) -> None:
     _check(arch, 0.0, SETTINGS[setting])
+
+
+# torch.utils.checkpoint inside a compiled model (docs/faq.md): torch's own recompute tags
+# win, fxckpt plans what is left saved, and a selective-checkpoint policy may ask to offload.
+
+
+def test_hf_gradient_checkpointing_composes_with_offload() -> None:
+    model, inputs = _build("llama", 0.0)
+    # transformers 5 renames gradient_checkpointing_enable; 4.x has only the old name.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxckpt.backend(compiler="eager", **SETTINGS["offload_all"]))
+    _assert_matches(_run(model, inputs, compiled), _run(ref, inputs, ref))
+    assert fxckpt.stats()["offloaded_bytes"] > 0
+
+
+class _CheckpointedGPT(GPT):
+    """A GPT whose blocks run under torch.utils.checkpoint, optionally with a SAC policy."""
+
+    def __init__(self, policy: Any = None) -> None:
+        super().__init__(n_layers=2)
+        self.policy = policy
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        x = self.wte(idx)
+        for layer in self.layers:
+            kw = {}
+            if self.policy is not None:
+                kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, self.policy)
+            x = checkpoint(layer, x, use_reentrant=False, **kw)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_checkpointed_blocks_keep_torch_recompute_and_stride_adds_nothing() -> None:
+    torch.manual_seed(0)
+    plain_saved = []
+    for settings in ({}, {"segment_stride": 1}):
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        assert_step_matches(_CheckpointedGPT(), gpt_inputs(), fxckpt.backend(compiler="eager", **settings))
+        (plan,) = fxckpt.last_plans()
+        # Only block inputs and the head's tensors are saved: torch.utils.checkpoint's tags
+        # already recompute the blocks, and a user's tags win over the stride.
+        assert plan.recomputed_bytes == 0
+        plain_saved.append(plan.kept_bytes)
+    assert plain_saved[0] == plain_saved[1] > 0
+
+
+def test_a_selective_checkpoint_policy_can_ask_for_offload() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_CPU_OFFLOAD  # torch itself treats this as a save
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    backend = fxckpt.backend(compiler="eager", min_offload_bytes=0)
+    assert_step_matches(_CheckpointedGPT(policy), gpt_inputs(), backend, steps=2)
+    (plan,) = fxckpt.last_plans()
+    offloaded = [r for r in plan.activations if r.decision.kind == "offload"]
+    assert offloaded and all("checkpoint policy" in r.decision.reason for r in offloaded)
+    assert {r.op.split(".")[0] for r in offloaded} <= {"mm", "addmm", "view"}, {r.op for r in offloaded}
+    s = fxckpt.stats()
+    assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
