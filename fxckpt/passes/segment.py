@@ -39,11 +39,21 @@ def _is_random(node: fx.Node) -> bool:
         and torch.Tag.nondeterministic_seeded in target.tags
     ):
         return False
+    if _on_meta(node):
+        # Replaying a recomputed seeded op needs run_and_save_rng_state, which has no meta
+        # kernel: offline plans (fxckpt inspect) keep such ops saved, as torch would.
+        return True
     for i, arg in enumerate(target._schema.arguments):
         if arg.name == "dropout_p":
             p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
             return not (isinstance(p, (int, float)) and p == 0)
     return True
+
+
+def _on_meta(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    return isinstance(first, torch.Tensor) and first.device.type == "meta"
 
 
 def _random_output(node: fx.Node) -> bool:
