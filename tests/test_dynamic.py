@@ -7,6 +7,9 @@
 
 Either way the pool's size classes (4 per power of two) let buffers freed by one length serve
 the next, so over many steps of mixed lengths almost every request is a hit.
+
+The last test runs examples/long_context.py small: lengths that plain compile cannot fit
+under a byte budget, and fxckpt can.
 """
 
 from __future__ import annotations
@@ -167,3 +170,40 @@ def test_symbolic_offload_under_inductor() -> None:
     assert len(fxckpt.last_plans()) == 1
     s = fxckpt.stats()
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+
+
+def _long_context_example() -> object:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_context_example_fits_lengths_plain_compile_cannot(capsys: pytest.CaptureFixture) -> None:
+    """examples/long_context.py, small: under a byte budget, the longer lengths overflow plain
+    compile's saved bytes while fxckpt's resident bytes (measured) and peak (planned) meet it."""
+    example = _long_context_example()
+    results = example.run([  # type: ignore[attr-defined]
+        "--budget", "1MiB", "--seq-start", "128", "--max-seq", "1024", "--layers", "2",
+        "--d", "32", "--compiler", "eager", "--min-offload-bytes", "0",
+    ])
+    out = capsys.readouterr().out
+    assert "longest length fxckpt fits and plain compile does not: 512 tokens" in out, out
+    budget = 2**20
+    assert [m.seq for m in results] == [128, 256, 512, 1024]
+    assert results[0].plain_fits and results[0].fxckpt_fits  # short enough for both
+    fit = results[2]
+    assert fit.plain_saved > budget >= fit.fxckpt_resident
+    assert fit.fxckpt_peak is not None and fit.fxckpt_peak <= budget
+    assert fit.offloaded > 0
+    assert fit.loss_diff <= 1e-5 and fit.max_grad_diff <= 1e-5
+    # At 1024 tokens single tensors outgrow the budget: no plan fits (BudgetError), so the
+    # search stops there.
+    assert not results[3].fxckpt_fits and results[3].fxckpt_resident is None
