@@ -284,3 +284,15 @@ def test_ops_survive_inductor():
     assert snap["prefetched_bytes"] == snap["offloaded_bytes"] == x.nbytes
     assert snap["resident_saved_bytes"] == x.nbytes
     assert stats.plan_payloads() == ["plan-under-inductor"]
+
+
+def test_wait_restores_into_the_requested_layout():
+    # Inductor may offload a contiguous buffer where the graph's metadata says permuted.
+    engine.configure(copy_delay_s=0.002, poison_fresh=True)
+    src = torch.randn(2, 4, 12, 8)
+    h = OPS.offload(src)
+    OPS.offload_done(h, src)
+    want = src.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # strides (384, 8, 32, 1)
+    out = OPS.wait(h, OPS.prefetch(h), list(want.shape), list(want.stride()), src.dtype, src.device)
+    assert out.stride() == want.stride()
+    assert torch.equal(out, src)
