@@ -104,7 +104,8 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
     assert rss[-1] - rss[len(rss) // 2] < RSS_SLACK_BYTES // 2, [r - warm_rss for r in rss]
 
     # Objects: the same tensors, handles, threads and engines as after warm-up.
-    assert _live_tensors() == warm_tensors
+    # Not more tensors than after warm-up (fewer is fine: earlier tests' garbage goes away).
+    assert _live_tensors() <= warm_tensors
     assert ops.live_handles() == warm_handles
     assert threading.active_count() == warm_threads
     assert _fxckpt_threads() == warm_workers
