@@ -49,7 +49,7 @@ def assert_step_matches(
         for name in want[1]:
             torch.testing.assert_close(got[1][name], want[1][name], msg=lambda m, n=name: f"{n}: {m}", **tol)
         assert len(got[2]) == len(want[2])
-        for a, b in zip(got[2], want[2]):
+        for a, b in zip(got[2], want[2], strict=True):
             torch.testing.assert_close(a, b, **tol)
 
 

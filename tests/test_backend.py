@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fxckpt
 from equality import assert_step_matches
 from models import GPT, MLP, gpt_inputs, hf_model
+
+import fxckpt
 
 SETTINGS = [
     pytest.param({}, id="default"),

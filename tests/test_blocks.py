@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._functorch.aot_autograd import aot_function
 
 from fxckpt.graph.blocks import find_blocks, module_path
 
@@ -33,8 +32,8 @@ def _joint_of(model: torch.nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
         return default_partition(joint, inputs, **kw)
 
     def backend(gm, inputs):
-        from torch._dynamo.backends.common import aot_autograd
         from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
 
         return aot_autograd(
             fw_compiler=lambda g, i: make_boxed_func(g.forward),

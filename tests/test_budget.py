@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
+from equality import assert_step_matches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import GPT, gpt_inputs
 
 import fxckpt
-from equality import assert_step_matches
-from models import GPT, gpt_inputs
 
 GPT_KW = {"n_layers": 4, "d": 64}
 INPUTS = {"seq": 64}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import TestCase
+from models import GPT, gpt_inputs
 
 import fxckpt
-from models import GPT, gpt_inputs
 
 pytestmark = pytest.mark.skipif(
     not torch.__version__.startswith("2.13"), reason="golden text is for torch 2.13"

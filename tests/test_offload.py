@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
+from equality import assert_step_matches
 from expecttest import TestCase
+from models import GPT, MLP, gpt_inputs, hf_model
 
 import fxckpt
-from equality import assert_step_matches
 from fxckpt.runtime import engine
-from models import GPT, MLP, gpt_inputs, hf_model
 
 ALL = {"offload": "all", "min_offload_bytes": 0}
 
