@@ -206,3 +206,38 @@ def forward(self, primals_3, primals_4, tanh_handle, tangents_1):
     view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
     t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
     return (t_8, view_1, None, t_5, view)""")
+
+
+def test_selective_checkpoint_offload_policy_is_honoured() -> None:
+    # torch defines MUST_CPU_OFFLOAD but no torch partitioner reads it; fxckpt offloads.
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.tanh.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_SAVE
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(16, 32, bias=False)
+            self.b = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            context = functools.partial(create_selective_checkpoint_contexts, policy)
+            body = lambda t: self.b(torch.tanh(self.a(t))).relu()  # noqa: E731
+            return checkpoint(body, x, use_reentrant=False, context_fn=context).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert_step_matches(Net(), (x,), fxckpt.backend(compiler="eager", min_offload_bytes=0))
+    (plan,) = fxckpt.last_plans()
+    tanh = [r for r in plan.activations if r.op.startswith("tanh")]
+    assert [r.decision.reason for r in tanh] == ["offload: the checkpoint policy asks for it"]
+    assert fxckpt.stats()["offloaded_bytes"] == fxckpt.stats()["prefetched_bytes"] > 0
