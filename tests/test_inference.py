@@ -49,7 +49,26 @@ def test_gradient_accumulation_matches_eager() -> None:
     assert plan.recomputed_bytes > 0 and plan.offloaded_bytes > 0
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+TORCH_BEFORE_2_13 = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "no_grad",
+        "inference_mode",
+        pytest.param(
+            "frozen",
+            marks=pytest.mark.xfail(
+                TORCH_BEFORE_2_13,
+                strict=True,
+                reason="torch 2.11 does not guard on a parameter's requires_grad: the frozen "
+                "call reuses the training graph, whose offloads run (and are freed with the "
+                "output, as no backward comes)",
+            ),
+        ),
+    ],
+)
 def test_inference_calls_plan_nothing_and_training_still_matches(mode: str) -> None:
     model, ref, compiled = _pair()
     idx, tgt = gpt_inputs()
