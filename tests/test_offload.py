@@ -154,7 +154,7 @@ def _captured_code(model: torch.nn.Module, inputs: tuple) -> tuple[str, str]:
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(
-        fw_compiler=keep, bw_compiler=keep, partition_fn=FxckptPartitioner(fxckpt.Options(**ALL))
+        fw_compiler=keep, bw_compiler=keep, partition_fn=FxckptPartitioner(fxckpt.Options(cost_model="unit", **ALL))
     )
     torch.compile(model, backend=backend)(*inputs).sum().backward()
     return tuple(_normalise(c) for c in codes)  # type: ignore[return-value]
