@@ -310,3 +310,34 @@ def test_regression_dropout_then_transpose_is_recognised_as_torchs_bug() -> None
         check(spec, options)
     # The same model without the transpose right after dropout trains like aot_eager.
     check(dataclasses.replace(spec, residual=True), options)
+
+
+POOL_CAPPED = Spec(ops=("linear",), n_blocks=2, d=8, batch=1, seq=4, residual=False)
+POOL_CAPPED_OPTIONS = {
+    "compiler": "eager", "offload": "auto", "cost_model": "unit", "memory_budget": 0.5,
+    "min_offload_bytes": 0, "pinned_pool_bytes": 4096,
+}  # fmt: skip
+
+
+def test_regression_pool_cap_over_budget_raises_budget_error() -> None:
+    # Found by the nightly fuzz: the solver met the budget (216 B) by offloading two tensors,
+    # the 4 KiB pool cap then kept one on the device, and the plan ran at 304 B, over the
+    # budget, with on_infeasible="raise" and only the pool's warning. It now raises.
+    model, inputs = build(POOL_CAPPED)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(model, backend=fxckpt.backend(**POOL_CAPPED_OPTIONS))(*inputs).backward()
+    err = info.value.inner_exception
+    assert isinstance(err, fxckpt.BudgetError), type(err)
+    assert err.smallest_bytes > err.budget_bytes
+    assert "a larger pinned_pool_bytes" in err.suggestions
+
+
+def test_regression_pool_cap_over_budget_warns_in_warn_mode() -> None:
+    model, inputs = build(POOL_CAPPED)
+    backend = fxckpt.backend(**POOL_CAPPED_OPTIONS, on_infeasible="warn")
+    with pytest.warns(UserWarning, match="cannot meet memory_budget") as record:
+        assert_step_matches(model, inputs, backend)
+    assert any("to go lower: a larger pinned_pool_bytes" in str(w.message) for w in record)
+    (plan,) = fxckpt.last_plans()
+    assert plan.resident_peak_bytes is not None and plan.budget_bytes is not None
+    assert plan.resident_peak_bytes > plan.budget_bytes

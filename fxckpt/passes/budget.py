@@ -214,8 +214,10 @@ def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
             node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _infeasible(graph_name: str, budget: int, smallest: int, options: Options) -> None:
-    hints = []
+def _infeasible(
+    graph_name: str, budget: int, smallest: int, options: Options, *, pool_capped: bool = False
+) -> None:
+    hints = ["a larger pinned_pool_bytes"] if pool_capped else []
     if options.offload == "never":
         hints.append("offload='auto'")
     if options.segment_stride == 0:

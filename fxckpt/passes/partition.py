@@ -165,12 +165,17 @@ def partition(
 
     peak = timeline = None
     if attempt.solution is not None and attempt.problem is not None:
-        if budget is not None and not attempt.solution.feasible:
+        feasible = attempt.solution.feasible
+        if budget is not None and not feasible:
             _infeasible(graph_name, budget, attempt.solution.peak, options)
         if cap_host_pool(attempt.final, attempt.choices, options.pinned_pool_bytes, graph_name):
             attempt.solution = _resimulate(
                 attempt.problem, attempt.storages or [], attempt.choices, options.prefetch, attempt.solution
             )
+            # Offloads the pool cap kept on the device can push a plan that met the budget
+            # over it; that must raise (or warn) like any infeasible budget, not pass silently.
+            if budget is not None and feasible and attempt.solution.peak > budget:
+                _infeasible(graph_name, budget, attempt.solution.peak, options, pool_capped=True)
         peak = attempt.solution.sim.peak
         timeline = _timeline(attempt.problem, attempt.solution.sim.resident, budget)
     seen = {a.name: a for a in baseline}
