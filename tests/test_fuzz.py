@@ -216,6 +216,25 @@ def test_random_models_under_random_options_train_like_eager(
         event("host pool fallback")
 
 
+# Each Inductor example builds C++ kernels (tens of seconds on a 2-core CI machine), so CI
+# runs the Inductor regressions below and the nightly profile explores.
+INDUCTOR_EXAMPLES = {"ci": 0, "nightly": 25}[PROFILE]
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.skipif(INDUCTOR_EXAMPLES == 0, reason="Inductor examples run with FXCKPT_FUZZ=nightly")
+@settings(FUZZ, max_examples=max(INDUCTOR_EXAMPLES, 1))
+@given(spec=specs(), options=option_sets())
+def test_random_models_under_inductor_train_like_eager(spec: Spec, options: dict[str, Any]) -> None:
+    # fallback_random: Inductor draws dropout masks as aot_eager (the reference) does.
+    with torch._inductor.config.patch(fallback_random=True):
+        try:
+            check(spec, {**options, "compiler": "inductor"})
+        except KnownTorchBug:
+            reject()
+
+
 def test_the_menu_is_covered_by_one_model() -> None:
     # Every operation of the menu in one block, three blocks, offloading everything it can.
     spec = Spec(ops=tuple(m for m in MENU if m != "dropout") + ("dropout",), n_blocks=3, seq=8)
