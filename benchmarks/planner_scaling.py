@@ -11,8 +11,9 @@
    go from the lowest reachable peak to the all-keep peak. The gap is the greedy's simulated added ms
    over the MILP's, where the MILP finished (``method_used == "milp"``).
 3. Compile time: a 24-layer decoder compiled on real CPU tensors with plain
-   ``torch.compile(backend="aot_eager")`` and with ``backend="fxckpt"`` (``compiler="eager"``,
-   ``memory_budget=0.5``); the share of aot_eager's compile time that fxckpt adds.
+   ``torch.compile(backend="aot_eager")`` and with ``backend="fxckpt"`` (``compiler="eager"``)
+   under a budget, a segment stride, and both; the share of aot_eager's compile time that
+   fxckpt adds.
 4. The greedy on a synthetic 10k-candidate, 20k-position problem.
 
 The solver's input is captured by wrapping ``fxckpt.passes.partition.decide`` for the length
@@ -213,43 +214,70 @@ def synthetic(n: int, T: int, seed: int = 0, bandwidth: float = 2.5e6) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def compile_share(seq: int, batch: int, steps: int = 3) -> dict[str, Any]:
+COMPILE_CONFIGS: dict[str, dict[str, Any]] = {
+    "budget 0.5": {"memory_budget": 0.5},
+    "stride 2": {"segment_stride": 2},
+    "stride 2, budget 0.3": {"segment_stride": 2, "memory_budget": 0.3},
+}
+
+
+def compile_share(seq: int, batch: int, steps: int = 3, repeats: int = 3) -> dict[str, Any]:
+    """Compile time of plain aot_eager and of fxckpt under each of :data:`COMPILE_CONFIGS`.
+
+    Each compile is timed ``repeats`` times, the backends interleaved so that load on the
+    machine falls on all of them alike; the median is reported. A compile's time is its first
+    step less the median of the ``steps`` steps after it.
+    """
+    import copy
+
     import fxckpt
 
     cfg = COMPILE_MODEL
     torch.manual_seed(0)
     base = Decoder(cfg)
     idx, tgt = make_batch(cfg, batch, seq, "cpu")
-    out: dict[str, Any] = {"model": cfg.describe(), "seq": seq, "batch": batch}
-    for name, backend, options in (
-        ("aot_eager", fresh_backend("aot_eager"), None),
-        ("fxckpt", "fxckpt", {"compiler": "eager", "memory_budget": 0.5, "min_offload_bytes": 0}),
-    ):
-        torch._dynamo.reset()
-        fxckpt.reset_stats()
-        import copy
-
-        model = copy.deepcopy(base)
-        fn = torch.compile(model, backend=backend, options=options, dynamic=False)
-        with capturing() as cap:
-            start = time.perf_counter()
-            fn(idx, tgt).backward()
-            first = time.perf_counter() - start
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            fn(idx, tgt).backward()
-            times.append(time.perf_counter() - start)
-        out[name] = {"first_step_s": first, "step_s": median(times),
-                     "compile_s": first - median(times)}  # fmt: skip
-        if name == "fxckpt":
-            out[name].update(partition_ms=cap.total_ms, steps=_sum_steps(cap),
-                             plan_ms=cap.step_ms("plan round"),
-                             solver_ms=1e3 * sum(p[3] for p in cap.problems))  # fmt: skip
-    plain, fx = out["aot_eager"]["compile_s"], out["fxckpt"]["compile_s"]
-    out["added_fraction"] = (fx - plain) / plain
-    out["planning_fraction"] = out["fxckpt"]["plan_ms"] / 1e3 / plain
-    out["partition_fraction"] = out["fxckpt"]["partition_ms"] / 1e3 / plain
+    runs: dict[str, list[dict[str, Any]]] = {}
+    backends: list[tuple[str, dict[str, Any] | None]] = [
+        ("aot_eager", None),
+        *((name, {"compiler": "eager", "min_offload_bytes": 0, **opts})
+          for name, opts in COMPILE_CONFIGS.items()),
+    ]
+    for _ in range(repeats):
+        for name, options in backends:
+            torch._dynamo.reset()
+            fxckpt.reset_stats()
+            model = copy.deepcopy(base)
+            backend = "fxckpt" if options is not None else fresh_backend("aot_eager")
+            fn = torch.compile(model, backend=backend, options=options, dynamic=False)
+            with capturing() as cap:
+                start = time.perf_counter()
+                fn(idx, tgt).backward()
+                first = time.perf_counter() - start
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                fn(idx, tgt).backward()
+                times.append(time.perf_counter() - start)
+            run = {"first_step_s": first, "step_s": median(times),
+                   "compile_s": first - median(times)}  # fmt: skip
+            if options is not None:
+                run.update(partition_ms=cap.total_ms, steps=_sum_steps(cap),
+                           plan_ms=cap.step_ms("plan round"))  # fmt: skip
+            runs.setdefault(name, []).append(run)
+    plain = median([r["compile_s"] for r in runs["aot_eager"]])
+    out: dict[str, Any] = {"model": cfg.describe(), "seq": seq, "batch": batch,
+                           "repeats": repeats, "aot_eager_compile_s": plain, "configs": {},
+                           "runs": runs}  # fmt: skip
+    for name, opts in COMPILE_CONFIGS.items():
+        rs = runs[name]
+        compile_s = median([r["compile_s"] for r in rs])
+        out["configs"][name] = {
+            "options": opts,
+            "compile_s": compile_s,
+            "added_fraction": (compile_s - plain) / plain,
+            "partition_s": median([r["partition_ms"] for r in rs]) / 1e3,
+            "plan_s": median([r["plan_ms"] for r in rs]) / 1e3,
+        }
     torch._dynamo.reset()
     return out
 
@@ -343,16 +371,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["greedy_vs_milp"] = gaps
 
     if not args.skip_compile:
-        say("\n3. Compile time that fxckpt adds to aot_eager, real CPU tensors:")
+        say("\n3. Compile time that fxckpt adds to aot_eager, real CPU tensors, "
+            "compiler='eager' (median of 3 compiles each, interleaved):")
         share = compile_share(seq=128, batch=1)
         doc["compile_share"] = share
-        say(f"{share['model']}, batch 1 x seq 128: aot_eager compile "
-              f"{share['aot_eager']['compile_s']:.1f} s, fxckpt compile "
-              f"{share['fxckpt']['compile_s']:.1f} s: +{100 * share['added_fraction']:.0f}% "
-              f"(partitioner {share['fxckpt']['partition_ms'] / 1e3:.1f} s = "
-              f"{100 * share['partition_fraction']:.0f}% of aot_eager's compile; planning "
-              f"rounds {share['fxckpt']['plan_ms'] / 1e3:.2f} s = "
-              f"{100 * share['planning_fraction']:.0f}%)")
+        say(f"{share['model']}, batch 1 x seq 128; aot_eager compile "
+            f"{share['aot_eager_compile_s']:.2f} s\n")
+        say("| fxckpt options | compile s | added to aot_eager | partitioner s | planning s |\n"
+            "|---|---|---|---|---|")
+        for name, c in share["configs"].items():
+            say(f"| {name} | {c['compile_s']:.2f} | {100 * c['added_fraction']:+.0f}% "
+                f"| {c['partition_s']:.2f} | {c['plan_s']:.2f} |")
 
     from fxckpt.planning.solve import solve
 

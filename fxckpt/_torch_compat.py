@@ -40,11 +40,64 @@ RECOMPUTE_POLICIES = frozenset(
 )
 
 
+def flop_formula(target: Any) -> Any:
+    """``FlopCounterMode``'s formula for an aten op, or None when it has none.
+
+    The formulas take the op's (fake) arguments and ``out_val=`` its output and read only
+    their shapes, so calling one directly counts FLOPs without running the op.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(target, "_overloadpacket", None)
+    return None if packet is None else flop_registry.get(packet)
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
     """Inductor's entry point, imported late because it pulls in all of Inductor."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
 
     return _compile_fx(gm, example_inputs, **kwargs)
+
+
+def lazy_graph_modules() -> Any:
+    """A context in which new graph modules generate their Python code on first call, not
+    when built, as under Inductor. min-cut builds about ten modules per run; fxckpt discards
+    most of them (the baseline partition, superseded plans) and never runs them."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``GraphModule(root, graph)``, lazy inside :func:`lazy_graph_modules`."""
+    from torch.fx._lazy_graph_module import _make_graph_module
+
+    return _make_graph_module(root, graph)
+
+
+def dedup_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """``joint`` after the common-subexpression pass min-cut starts with, as a new module,
+    or None when the user turned that pass off (``torch._functorch.config.cse = False``).
+
+    The pass reaches its fixed point in one run, so partitioning its result with the pass off
+    (:func:`min_cut_without_cse`) gives the partition min-cut gives ``joint``.
+    """
+    from torch._functorch import config
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    if not config.cse:
+        return None
+    return make_graph_module(joint, fx_graph_cse(joint.graph))
+
+
+def min_cut_without_cse(
+    joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """min-cut on a joint graph :func:`dedup_joint` already deduplicated."""
+    from torch._functorch import config
+
+    with config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def register_logging() -> None:
@@ -80,9 +133,13 @@ __all__ = [
     "TORCH_VERSION",
     "aot_autograd",
     "compile_fx",
+    "dedup_joint",
     "has_side_effect",
+    "lazy_graph_modules",
+    "make_graph_module",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
+    "min_cut_without_cse",
     "register_logging",
     "trace_plan_artifact",
 ]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fxckpt._torch_compat import size_hint
+from fxckpt._torch_compat import flop_formula, size_hint
 
 if TYPE_CHECKING:
     import torch
@@ -94,27 +94,51 @@ def _on_meta(v: Any) -> Any:
 
 
 def node_flops(node: torch.fx.Node) -> float:
-    """FLOPs of one ``call_function`` node, counted by ``FlopCounterMode`` on its fake inputs.
+    """FLOPs of one ``call_function`` node, by ``FlopCounterMode``'s formulas on its fake
+    inputs.
 
-    Returns 0.0 for views, ``getitem``, ops the counter has no formula for (elementwise ops,
-    copies), nodes whose inputs lack ``meta["val"]``, and anything that fails to run on fake
-    tensors (e.g. a guard on a symbolic size).
+    An aten op is priced by its registered formula called on the node's ``meta["val"]``s,
+    without running the op (most ops have none and count 0, as under ``FlopCounterMode``);
+    anything else (higher-order ops, nodes without an output ``val``) runs under
+    ``FlopCounterMode`` on fake or meta inputs.
+    Returns 0.0 for views, ``getitem``, nodes whose inputs lack ``meta["val"]``, and anything
+    that fails (e.g. a guard on a symbolic size).
     """
     if node.op != "call_function" or not _is_compute(node):
         return 0.0
-    from torch.utils.flop_counter import FlopCounterMode
+    import torch
 
+    formula = flop_formula(node.target)
+    if formula is None and isinstance(node.target, torch._ops.OpOverload):
+        return 0.0
     try:
-        got = _meta_args(node, _on_meta)
-        if got is None:
-            return 0.0
-        with FlopCounterMode(display=False) as counter:
-            node.target(*got[0], **got[1])  # type: ignore[operator]
+        out = node.meta.get("val")
+        if formula is not None and out is not None:
+            got = _meta_args(node, lambda v: v)
+            if got is None:
+                return 0.0
+            count = formula(*got[0], **got[1], out_val=out)
+        else:
+            count = _counted_flops(node)
+            if count is None:
+                return 0.0
         # With symbolic sizes the count is a SymInt; float() on it would install a guard
         # (dynamo then recompiles the graph for every new length). Take its hint instead.
-        return float(size_hint(counter.get_total_flops(), 0))
+        return float(size_hint(count, 0))
     except Exception:
         return 0.0
+
+
+def _counted_flops(node: torch.fx.Node) -> Any:
+    """Run ``node`` under ``FlopCounterMode`` on meta or fake inputs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    got = _meta_args(node, _on_meta)
+    if got is None:
+        return None
+    with FlopCounterMode(display=False) as counter:
+        node.target(*got[0], **got[1])  # type: ignore[operator]
+    return counter.get_total_flops()
 
 
 def flops_to_ms(flops: float, device: Any) -> float:

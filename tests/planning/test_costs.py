@@ -49,6 +49,43 @@ def test_flops_from_real_tensor_vals():
     assert node_flops(mm) == 2 * 64 * 128 * 32
 
 
+def test_formulas_count_what_flop_counter_mode_counts():
+    # node_flops calls FlopCounterMode's formulas on the fake vals instead of running each op;
+    # on a joint graph with matmuls, convolutions, attention and their backwards, every node
+    # must count what running it under FlopCounterMode counts.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def f(x, img, w, conv_w, q):
+        y = torch.nn.functional.gelu(x @ w)
+        z = torch.nn.functional.conv2d(img, conv_w, padding=1).relu()
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        b = torch.baddbmm(torch.ones(2, 8, 8), q[:, 0], q[:, 0].transpose(1, 2))
+        return y.sum() + z.sum() + a.sum() + b.sum()
+
+    def joint(*args):
+        out = f(*args)
+        return torch.autograd.grad(out, args)
+
+    args = [
+        torch.randn(16, 32, requires_grad=True),
+        torch.randn(2, 3, 8, 8, requires_grad=True),
+        torch.randn(32, 24, requires_grad=True),
+        torch.randn(4, 3, 3, 3, requires_grad=True),
+        torch.randn(2, 2, 8, 16, requires_grad=True),
+    ]
+    gm = make_fx(joint, tracing_mode="fake")(*args)
+    counted = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_view_like(n):
+            continue
+        fake = costs._meta_args(n, lambda v: v)
+        with FlopCounterMode(display=False) as counter:
+            n.target(*fake[0], **fake[1])
+        assert node_flops(n) == counter.get_total_flops(), n.format_node()
+        counted += node_flops(n) > 0
+    assert counted >= 5  # mm, convolution (+ backward), attention, baddbmm
+
+
 def test_missing_vals_give_zero():
     gm = torch.fx.symbolic_trace(lambda x: x @ x)
     assert [node_flops(n) for n in gm.graph.nodes] == [0.0, 0.0, 0.0]
