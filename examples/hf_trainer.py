@@ -10,10 +10,10 @@ would win over it). This script sets a default for it when the variable is unset
 Two ways to hand the model to the Trainer:
 
 - ``--via args``: ``TrainingArguments(torch_compile=True, torch_compile_backend="fxckpt")``.
-  accelerate (>= 1.2) checks the backend name against its own list of backends and, as of
-  accelerate 1.15, rejects "fxckpt" with ``ValueError: 'FXCKPT' is not a valid
-  DynamoBackend``; the script reports that and stops.
-- ``--via model`` (the default, works today): compile the model yourself with
+  accelerate (>= 1.2) checks the backend name against its own ``DynamoBackend`` enum, which
+  does not list fxckpt; ``fxckpt.register_with_accelerate()`` adds it, and this script calls
+  it first.
+- ``--via model`` (the default): compile the model yourself with
   ``torch.compile(model, backend="fxckpt")`` and give the compiled model to the Trainer with
   ``torch_compile`` left off, and ``remove_unused_columns=False`` (the Trainer would drop
   every batch key, since the compiled forward's signature is ``(*args, **kwargs)``).
@@ -77,6 +77,7 @@ def train(
 
     compile_args: dict[str, Any] = {}
     if via == "args":
+        fxckpt.register_with_accelerate()  # accelerate refuses backend names it does not list
         compile_args = {"torch_compile": True, "torch_compile_backend": "fxckpt"}
     elif via == "model":
         model = torch.compile(model, backend="fxckpt")  # options from FXCKPT_OPTIONS
@@ -116,14 +117,7 @@ def main() -> None:
     model = build_model()
     data = TokenDataset(4 * args.steps, args.seq, vocab=256)
     plain = train(copy.deepcopy(model), data, steps=args.steps, via=None)
-    try:
-        compiled = train(model, data, steps=args.steps, via=args.via)
-    except ValueError as err:
-        if args.via != "args" or "DynamoBackend" not in str(err):
-            raise
-        print(f"TrainingArguments(torch_compile_backend='fxckpt') was refused by accelerate: {err}")
-        print("Run with --via model: compile the model yourself and pass it to the Trainer.")
-        return
+    compiled = train(model, data, steps=args.steps, via=args.via)
     print("step  uncompiled  fxckpt")
     for i, (a, b) in enumerate(zip(plain, compiled, strict=True), 1):
         print(f"{i:4d}  {a:10.4f}  {b:6.4f}")
