@@ -186,6 +186,7 @@ class Options:
     compiler: str = "inductor"
     on_infeasible: str = "raise"
     blocks: str | None = None
+    block_index: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -209,6 +210,12 @@ class Options:
         for name, choices in _CHOICES.items():
             put(name, _parse_choice(getattr(self, name), name, choices))
         _check_blocks(self.blocks)
+        if self.block_index is not None:
+            put("block_index", _parse_int(self.block_index, "block_index", 0))
+            if self.blocks is not None:
+                accepted = "None when blocks is given (block_index makes the graph one block)"
+                detail = f"block_index and blocks={self.blocks!r} both say where blocks are"
+                raise OptionsError("block_index", self.block_index, accepted, detail)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | Options | None) -> Options:

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_worker.py CASE OUT
 
-CASE is ``ddp`` or ``fsdp2``. Each rank trains the same tiny GPT for two steps (SGD in
+CASE is ``ddp``, ``fsdp2`` (the whole model compiled) or ``fsdp2_blocks`` (each block
+compiled on its own, fxckpt told its index with ``block_index``). Each rank trains the same tiny GPT for two steps (SGD in
 between) twice: compiled with fxckpt, then compiled with ``aot_eager``, and compares the losses
 and every gradient with ``torch.testing.assert_close``; a mismatch fails the rank and torchrun.
 Rank 0 writes what the plans did to OUT (JSON), for the test to check.
@@ -40,6 +41,13 @@ OPTIONS: dict[str, Any] = {
 }
 
 
+def _backend(case: str, block: int | None) -> Any:
+    """fxckpt's backend for the whole model (``block`` None) or for one block of it."""
+    if block is None:
+        return fxckpt.backend(**OPTIONS)
+    return fxckpt.backend(**{k: v for k, v in OPTIONS.items() if k != "blocks"}, block_index=block)
+
+
 def _wrap(case: str, model: torch.nn.Module) -> torch.nn.Module:
     if case == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -62,17 +70,25 @@ def _grads(case: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         g = p.grad
         if g is None:
             continue
-        if case == "fsdp2":
+        if case.startswith("fsdp2"):
             g = g.full_tensor()  # DTensor shards -> the whole gradient on every rank
         out[name.removeprefix("module.")] = g.detach().clone()
     return out
 
 
-def _train(case: str, base: torch.nn.Module, backend: Any) -> list[tuple[torch.Tensor, dict]]:
+def _train(case: str, base: torch.nn.Module, reference: bool) -> list[tuple[torch.Tensor, dict]]:
+    """Two steps with fxckpt, or with aot_eager where ``reference``."""
     torch._dynamo.reset()
     fxckpt.reset_stats()
     model = _wrap(case, copy.deepcopy(base))
-    compiled = torch.compile(model, backend=backend)
+    if case == "fsdp2_blocks":
+        # torchtitan's recipe: compile each block, leave the root eager. Each block gets a
+        # backend of its own, so dynamo keeps one graph per block instead of sharing one.
+        for i, layer in enumerate(model.layers):  # type: ignore[union-attr,arg-type]
+            layer.compile(backend="aot_eager" if reference else _backend(case, i))
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager" if reference else _backend(case, None))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     results = []
     for step in range(2):
@@ -91,10 +107,10 @@ def main(case: str, out: str) -> None:
     torch.manual_seed(0)
     # DDP needs > 1 MiB of gradients per block to split per block; FSDP2 does not.
     base = GPT(d=128, heads=4, n_layers=4) if case == "ddp" else GPT(d=32, n_layers=4)
-    got = _train(case, base, fxckpt.backend(**OPTIONS))
+    got = _train(case, base, reference=False)
     plans = fxckpt.last_plans()
     stats = fxckpt.stats()
-    want = _train(case, base, "aot_eager")
+    want = _train(case, base, reference=True)
     for (loss, grads), (ref_loss, ref_grads) in zip(got, want, strict=True):
         torch.testing.assert_close(loss, ref_loss)
         assert grads.keys() == ref_grads.keys() and grads, sorted(grads)

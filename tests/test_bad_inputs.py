@@ -41,6 +41,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "compiler": [False, None],
         "on_infeasible": [None, 0],
         "blocks": [3, ["layers"], b"layers"],
+        "block_index": ["0", 1.0, True, [0]],
     },
     "out of range": {
         "memory_budget": [0, -1, 0.0, -0.5, 1.5, 12e9, "0B", "-5GB", "1.5B", "1e999", "lots", ""],
@@ -56,6 +57,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "compiler": ["aot_eager", "Inductor", "cudagraphs"],
         "on_infeasible": ["ignore", "Raise"],
         "blocks": ["(", "layers[", "*", ""],
+        "block_index": [-1, -8],
     },
     "NaN or infinite": {
         "memory_budget": [NAN, INF, -INF],
@@ -71,6 +73,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "compiler": [NAN],
         "on_infeasible": [NAN],
         "blocks": [NAN],
+        "block_index": [NAN, INF],
     },
     "unknown unit": {
         "memory_budget": ["12 XB", "12 GiBs", "12G", "12 parsecs"],
@@ -86,14 +89,17 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "compiler": None,
         "on_infeasible": None,
         "blocks": None,
+        "block_index": None,
     },
 }
 
-# (options, the option blamed, a word the message must contain)
-WIDTH_ABOVE_STRIDE: list[tuple[dict[str, Any], str, str]] = [
+# Options that contradict each other: (options, the option blamed, a word the message must
+# contain, naming the other option)
+CONTRADICTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"segment_stride": 2, "segment_width": 3}, "segment_width", "segment_stride=2"),
     ({"segment_stride": 0, "segment_width": 1}, "segment_width", "segment_stride=0"),
     ({"segment_stride": 1, "segment_width": 5}, "segment_width", "segment_stride=1"),
+    ({"blocks": r"layers\.\d+$", "block_index": 3}, "block_index", "blocks="),
 ]
 UNKNOWN_KEYS: list[tuple[str, str | None]] = [
     ("memory_budjet", "memory_budget"),
@@ -113,8 +119,8 @@ def _cases() -> list[tuple[str, dict[str, Any], str]]:
         for name, values in per_option.items():
             for value in values or ():
                 out.append((f"{kind}:{name}={value!r}"[:70], {name: value}, name))
-    for opts, name, _ in WIDTH_ABOVE_STRIDE:
-        out.append((f"width>stride:{opts}", opts, name))
+    for opts, name, _ in CONTRADICTIONS:
+        out.append((f"contradiction:{opts}", opts, name))
     for key, _ in UNKNOWN_KEYS:
         out.append((f"unknown key:{key}", {key: 1}, key))
     return out
@@ -194,8 +200,8 @@ def test_unknown_key_suggests_the_nearest_option_at_both_entries(key: str, sugge
             assert f"did you mean {suggestion!r}?" in message
 
 
-@pytest.mark.parametrize(("options", "name", "word"), WIDTH_ABOVE_STRIDE)
-def test_width_above_stride_names_the_stride_at_both_entries(
+@pytest.mark.parametrize(("options", "name", "word"), CONTRADICTIONS)
+def test_contradicting_options_name_the_other_option_at_both_entries(
     options: dict[str, Any], name: str, word: str
 ) -> None:
     with pytest.raises(OptionsError, match=word):

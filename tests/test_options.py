@@ -58,6 +58,8 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "compiler", v) for v in ["aot_eager", "Inductor", None, False]),
     *(({}, "on_infeasible", v) for v in ["ignore", "Raise", None, False]),
     *(({}, "blocks", v) for v in ["(", "layers[", "*", "", 3, b"layers", ["layers"]]),
+    *(({}, "block_index", v) for v in [-1, "0", 1.0, True]),
+    ({"blocks": "layers"}, "block_index", 0),
     # Unknown keys: the error names the key and the value it was given.
     ({}, "memory_budjet", "12GiB"),
     ({}, "segment_strid", 2),
@@ -207,7 +209,7 @@ def test_defaults() -> None:
         "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
         "min_offload_bytes": MiB, "prefetch": "auto", "copy_streams": 1,
         "pinned_pool_bytes": None, "bandwidth": None, "cost_model": "flops",
-        "compiler": "inductor", "on_infeasible": "raise", "blocks": None,
+        "compiler": "inductor", "on_infeasible": "raise", "blocks": None, "block_index": None,
     }  # fmt: skip
 
 
@@ -294,7 +296,7 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 
 def test_option_names() -> None:
     assert OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
-    assert len(OPTION_NAMES) == 13
+    assert len(OPTION_NAMES) == 14
 
 
 @pytest.mark.parametrize(

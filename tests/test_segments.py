@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
+from equality import step
 
 import fxckpt
 from fxckpt.passes.segment import segment_of
@@ -128,6 +131,32 @@ def test_blocks_regex_overrides_detection() -> None:
     # Block 2 is a one-block segment: its interior is recomputed and only its output, the
     # input of segment 3, stays.
     assert block2.count("keep") == 1 and block2.count("recompute") >= 3
+
+
+def test_block_index_applies_the_stride_to_blocks_compiled_one_by_one() -> None:
+    # Per-block compile (FSDP2's recipe): each graph holds one block, so detection finds no
+    # repeated blocks; block_index says which block a graph is, and the stride follows it.
+    torch.manual_seed(0)
+    model = Stack(4)
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, T, D, requires_grad=True)
+    for i, layer in enumerate(model.layers):
+        layer.compile(backend=fxckpt.backend(
+            segment_stride=2, segment_width=1, block_index=i, compiler="eager"))
+    got = step(model, (x,), model)
+    want = step(ref, (x.detach().clone().requires_grad_(),), ref)
+    torch.testing.assert_close(got[0], want[0])
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(got[2], want[2])
+    plans = fxckpt.last_plans()
+    assert len(plans) == 4  # dynamo keeps one graph per backend: none is shared
+    kinds = {}
+    for plan in plans:
+        (block,) = {r.block for r in plan.activations}
+        kinds[block] = {r.decision.kind for r in plan.activations}
+        assert plan.notes == [f"the graph is block {block} (block_index)"]
+    assert kinds == {0: {"recompute"}, 1: {"keep"}, 2: {"recompute"}, 3: {"keep"}}
 
 
 class SdpaBlock(nn.Module):

@@ -79,7 +79,7 @@ class BlockFacts:
     """Which forward node lies in which repeated block."""
 
     prefix: str | None  # module path of the block container, e.g. "model.layers"
-    source: str  # "auto", "regex" or "none"
+    source: str  # "auto", "regex", "given" (the block_index option) or "none"
     index_of: dict[str, int] = field(default_factory=dict)  # node name -> block index
 
     pattern: str | None = None  # the user's regex, if any
@@ -94,6 +94,8 @@ class BlockFacts:
             return self.index_of[node.name]
         if self.source == "none":
             return None
+        if self.source == "given":
+            return self.blocks[0] if self.index_of else None
         compiled = re.compile(self.pattern) if self.pattern is not None else None
         for path in module_stack(node):
             block = _block_of_path(path, compiled, self.prefix)
@@ -139,14 +141,20 @@ def _auto_prefix(nodes: list[fx.Node]) -> str | None:
     return min(repeated, key=lambda p: (-weight[p], len(p), p))
 
 
-def find_blocks(joint: fx.GraphModule, pattern: str | None = None) -> BlockFacts:
+def find_blocks(
+    joint: fx.GraphModule, pattern: str | None = None, *, block_index: int | None = None
+) -> BlockFacts:
     """Number the repeated blocks of ``joint``'s forward.
 
     With ``pattern``, a module path whose ``re.search`` matches is a block; the index is the
     last integer of the first group (or of the whole match). Without it, the container with
     the most repeated integer-indexed children (``layers.0``, ``layers.1``, ...) is chosen.
+    With ``block_index``, the whole forward is that one block (a block compiled on its own).
     """
     fw = forward_nodes(joint.graph)
+    if block_index is not None:
+        whole = {n.name: block_index for n in fw}
+        return BlockFacts(prefix=None, source="given", index_of=whole)
     compiled = re.compile(pattern) if pattern is not None else None
     prefix = None if compiled is not None else _auto_prefix(fw)
     if compiled is None and prefix is None:

@@ -176,7 +176,7 @@ def _partition(
         return min_cut(gm, joint_inputs=joint_inputs, deduplicated=dedup is not None, **kwargs)
 
     with step(graph_name, "blocks"):
-        blocks = find_blocks(joint, options.blocks)
+        blocks = find_blocks(joint, options.blocks, block_index=options.block_index)
     with step(graph_name, "baseline min-cut"):
         base_fw, base_bw = cut(joint)
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
@@ -376,6 +376,8 @@ def _offloaded(attempt: Attempt) -> list[tuple[SavedActivation, int, int]]:
 def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if stride > 0 and not blocks.index_of:
         return ["no repeated blocks found: planned without segments"]
+    if blocks.source == "given":
+        return [f"the graph is block {blocks.blocks[0]} (block_index)"] if blocks.index_of else []
     if blocks.index_of:
         return [f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}"]
     return []
