@@ -108,3 +108,26 @@ def test_plan_to_dict_has_the_documented_keys() -> None:
     assert set(row) >= {"name", "module", "op", "shape", "dtype", "bytes", "decision", "reason"}
     assert fxckpt.Plan.from_dict(d).to_dict() == d
     assert d["kept_bytes"] + d["recomputed_bytes"] >= d["baseline_saved_bytes"] > 0
+
+
+def test_partition_leaves_the_programs_garbage_collector_as_it_found_it() -> None:
+    # The partitioner freezes the objects that exist before it (or pauses the collector where
+    # the program froze some itself); afterwards the collector must be back as it was.
+    import gc
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    for frozen_before in (False, True):
+        torch._dynamo.reset()
+        if frozen_before:
+            gc.freeze()
+        try:
+            # Frozen objects can die during the compile: compare "any frozen", not the count.
+            before = (gc.isenabled(), gc.get_freeze_count() > 0)
+            compiled = torch.compile(model, backend=fxckpt.backend(compiler="eager"))
+            compiled(x).sum().backward()
+            assert fxckpt.last_plans()  # the partitioner ran
+            assert (gc.isenabled(), gc.get_freeze_count() > 0) == before == (True, frozen_before)
+        finally:
+            gc.unfreeze()
+        fxckpt.reset_stats()
