@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +91,12 @@ def build_problem(
     allow_recompute: bool,
     cost_model: str,
     device: torch.device,
+    not_recomputable: Set[str] = frozenset(),
 ) -> tuple[Problem, dict[str, float]]:
-    """The solver's view of one graph: a timeline of node costs and one row per storage."""
+    """The solver's view of one graph: a timeline of node costs and one row per storage.
+
+    ``not_recomputable``: activation names that min-cut would not recompute when asked.
+    """
     F = len(fw_step_ms)
     T = F + len(bw_step_ms)
     fw_nodes = {n.name: n for n in fw.graph.nodes}
@@ -105,7 +109,7 @@ def build_problem(
         first = F + (min(bw_first) if bw_first else 0)
         r_ms, r_flops = (
             _recompute_cost(s, fw_nodes, saved - {a.name for a in s.members}, cost_model, device)
-            if allow_recompute
+            if allow_recompute and not any(a.name in not_recomputable for a in s.members)
             else (math.inf, 0.0)
         )
         for a in s.members:

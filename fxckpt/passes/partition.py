@@ -332,7 +332,13 @@ def _plan(
         fw, bw = reuse if reuse is not None else cut(tagged, consume=owned and budget is None)
         attempt = Attempt(tagged, fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks), {})
     attempt.segment_ms = segment_ms
+    # Tensors min-cut kept saving although they were tagged for recompute (a boundary between
+    # two checkpoint regions forces a save there): later rounds must keep or offload them.
+    stuck: set[str] = set()
     for round_ in range(MAX_PLAN_ROUNDS):
+        # The last round's choices are final, with no partition after it to carry out a
+        # recompute: it may only keep or offload.
+        last = round_ == MAX_PLAN_ROUNDS - 1
         offloadable = {a.name for a in offload_candidates(attempt.final, attempt.fw, num_fwd_outputs, options)}
         storages = group_by_storage(attempt.final)
         forced, forced_why = _forced(storages, offloadable, requests, options)
@@ -347,9 +353,10 @@ def _plan(
                 bandwidth_bytes_per_ms(options, device),
                 offloadable=offloadable,
                 forced=forced,
-                allow_recompute=budget is not None,
+                allow_recompute=budget is not None and not last,
                 cost_model=options.cost_model,
                 device=device,
+                not_recomputable=stuck,
             )
             solution = decide(problem, budget, options.prefetch)
             choices = reasons(problem, solution, storages, flops, forced_why, budget)
@@ -357,14 +364,15 @@ def _plan(
             choices, solution, problem, storages
         )
         rebuilt = [a for s in storages if choices[s.key].kind == "recompute" for a in s.members]
-        if not rebuilt or round_ == MAX_PLAN_ROUNDS - 1:
+        if not rebuilt:
             return attempt
         # min-cut carries out recompute choices itself: tag them, partition again, re-plan.
-        attempt.recompute_ms += sum(
-            problem.candidates.recompute_ms[i]
+        ms_of = {
+            s.key: problem.candidates.recompute_ms[i]
             for i, s in enumerate(storages)
             if choices[s.key].kind == "recompute"
-        )
+        }
+        attempt.recompute_ms += sum(ms_of.values())
         for a in rebuilt:
             attempt.reasons[a.name] = choices[a.storage].reason
             attempt.flops[a.name] = flops.get(a.name, 0.0)
@@ -375,6 +383,13 @@ def _plan(
         with step(graph_name, "min-cut (re-plan)"):
             attempt.fw, attempt.bw = cut(attempt.tagged)
             attempt.final = saved_activations(attempt.fw, attempt.bw, num_fwd_outputs, blocks)
+        still = {a.name for a in attempt.final} & {a.name for a in rebuilt}
+        for name in still:
+            attempt.reasons.pop(name, None)
+            attempt.flops.pop(name, None)
+            attempt.rebuilt.pop(name, None)
+        attempt.recompute_ms -= sum(ms_of[k] for k in {a.storage for a in rebuilt if a.name in still})
+        stuck |= still
     return attempt
 
 
