@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -165,6 +166,18 @@ class Attempt:
         return self.solution is None or self.solution.feasible
 
 
+def _partition_context(fn: Callable[..., GraphPair]) -> Callable[..., GraphPair]:
+    """Run ``fn`` with lazy graph modules and the program's objects frozen (see above)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> GraphPair:
+        with lazy_graph_modules(), gc_frozen():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_partition_context
 def partition(
     joint: fx.GraphModule,
     joint_inputs: Any,
@@ -180,30 +193,6 @@ def partition(
 
     ``inductor``: Inductor compiles the result (see :func:`insert_note`).
     """
-    with lazy_graph_modules(), gc_frozen():
-        return _partition(
-            joint,
-            joint_inputs,
-            options,
-            graph_name=graph_name,
-            num_fwd_outputs=num_fwd_outputs,
-            record=record,
-            inductor=inductor,
-            **kwargs,
-        )
-
-
-def _partition(
-    joint: fx.GraphModule,
-    joint_inputs: Any,
-    options: Options,
-    *,
-    graph_name: str,
-    num_fwd_outputs: int,
-    record: Callable[[Plan], str],
-    inductor: bool,
-    **kwargs: Any,
-) -> GraphPair:
     kwargs["num_fwd_outputs"] = num_fwd_outputs
     # min-cut deduplicates the joint graph first; fxckpt runs min-cut two or more times, so
     # it deduplicates once here and every run skips that step.
