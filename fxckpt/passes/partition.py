@@ -225,6 +225,9 @@ def partition(
     # smaller budget only ever moves further along it (the resident peak stays monotone).
     for extra in _extra_segment_steps(blocks.blocks, segments, budget, options):
         if stride > 0 or extra:
+            # The baseline consumed the joint graph only when a stride made this copy first,
+            # and then this loop runs once.
+            assert first_tagged is not None or stride == 0, "the joint graph was consumed"
             tagged = first_tagged if first_tagged is not None else clone_joint(joint)
             first_tagged = None
             with step(graph_name, "segment"):
