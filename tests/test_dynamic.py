@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from example_scripts import load_example
 from models import GPT, gpt_inputs
 
 import fxckpt
@@ -172,24 +173,10 @@ def test_symbolic_offload_under_inductor() -> None:
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
 
 
-def _long_context_example() -> object:
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "examples" / "long_context.py"
-    spec = importlib.util.spec_from_file_location("long_context_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_long_context_example_fits_lengths_plain_compile_cannot(capsys: pytest.CaptureFixture) -> None:
     """examples/long_context.py, small: under a byte budget, the longer lengths overflow plain
     compile's saved bytes while fxckpt's resident bytes (measured) and peak (planned) meet it."""
-    example = _long_context_example()
+    example = load_example("long_context")
     results = example.run([  # type: ignore[attr-defined]
         "--budget", "1MiB", "--seq-start", "128", "--max-seq", "1024", "--layers", "2",
         "--d", "32", "--compiler", "eager", "--min-offload-bytes", "0",

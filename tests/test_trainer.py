@@ -8,14 +8,13 @@ the example is exercised too.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from example_scripts import load_example
 
 import fxckpt
 
@@ -25,20 +24,10 @@ OPTIONS = {"compiler": "eager", "segment_stride": 2, "offload": "all", "min_offl
 STEPS = 4
 
 
-def _example() -> ModuleType:
-    path = Path(__file__).parents[1] / "examples" / "hf_trainer.py"
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setenv("FXCKPT_OPTIONS", json.dumps(OPTIONS))
-    return _example()
+    return load_example("hf_trainer")
 
 
 def _setup(example: ModuleType) -> tuple[torch.nn.Module, torch.nn.Module, object]:
