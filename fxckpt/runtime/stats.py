@@ -8,11 +8,13 @@ needs no back-reference to this module's readers. The pool reports its own figur
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 _COUNTERS = (
     "offloaded_bytes",
     "prefetched_bytes",
     "stall_seconds",
+    "copy_seconds",
     "offload_calls",
     "fallbacks",
     "pool_hits",
@@ -25,8 +27,11 @@ _LEVELS = ("pool_bytes",)
 
 _lock = threading.Lock()
 _values: dict[str, float | int] = dict.fromkeys(_COUNTERS + _LEVELS, 0)
-_values["stall_seconds"] = 0.0
+_values["stall_seconds"] = _values["copy_seconds"] = 0.0
 _high_water = 0
+# Called before every snapshot: the CUDA engine counts copy and stall times only once their
+# events have completed, which it checks without synchronizing.
+_collectors: list[Callable[[], None]] = []
 # A dict is an insertion-ordered set: membership costs one hash, and the payload string is
 # the same constant object at every call of a compiled graph, so its hash is cached.
 _plans: dict[str, None] = {}
@@ -74,8 +79,16 @@ def plan_payloads() -> list[str]:
         return list(_plans)
 
 
+def add_collector(fn: Callable[[], None]) -> None:
+    """Run ``fn`` before each :func:`snapshot`, outside the lock (it may call :func:`add`)."""
+    if fn not in _collectors:
+        _collectors.append(fn)
+
+
 def snapshot() -> dict[str, float | int]:
     """A consistent copy of every figure, including ``pool_high_water_bytes``."""
+    for collect in list(_collectors):
+        collect()
     with _lock:
         out = dict(_values)
         out["pool_high_water_bytes"] = _high_water
@@ -88,6 +101,6 @@ def reset() -> None:
     with _lock:
         for name in _COUNTERS:
             _values[name] = 0
-        _values["stall_seconds"] = 0.0
+        _values["stall_seconds"] = _values["copy_seconds"] = 0.0
         _high_water = int(_values["pool_bytes"])
         _plans.clear()
