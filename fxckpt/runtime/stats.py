@@ -23,7 +23,7 @@ _COUNTERS = (
     "resident_saved_bytes",
 )
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone.
-_LEVELS = ("pool_bytes",)
+_LEVELS = ("pool_bytes", "pinned_bytes")
 
 _lock = threading.Lock()
 _values: dict[str, float | int] = dict.fromkeys(_COUNTERS + _LEVELS, 0)
@@ -63,6 +63,12 @@ def pool_resized(delta: int) -> None:
         _values["pool_bytes"] = now
         if now > _high_water:
             _high_water = now
+
+
+def pinned_resized(delta: int) -> None:
+    """The process now holds ``delta`` more page-locked bytes (slabs of the pinned pool)."""
+    with _lock:
+        _values["pinned_bytes"] = int(_values["pinned_bytes"]) + delta
 
 
 def add_plan_payload(s: str) -> None:

@@ -30,7 +30,7 @@ def hw(monkeypatch):
     monkeypatch.setattr(_cuda, "CUDA", double)
     engine.configure(copy_streams=1)
     monkeypatch.setitem(engine._engines, DEV, CudaEngine(DEV))
-    monkeypatch.setitem(pool._pools, "cpu", pool.HostPool(pinned=False))
+    monkeypatch.setitem(pool._pools, "cpu", pool.HostPool(pinned=True))
     stats.reset()
     yield double
     engine.configure(copy_streams=1)
@@ -62,7 +62,7 @@ def test_a_step_is_race_free_exact_and_copies_only_page_locked_memory(hw):
         hw.kernel("consumer", reads=[got])
         assert torch.equal(got, want)
     assert hw.races == []
-    # PAGEABLE
+    assert hw.pageable_copies == []
 
 
 def test_the_d2h_copy_is_ordered_after_the_producer(hw):

@@ -91,6 +91,7 @@ def test_snapshot_has_every_documented_figure():
         "fallbacks",
         "resident_saved_bytes",
         "pool_bytes",
+        "pinned_bytes",
         "pool_high_water_bytes",
         "pool_hits",
         "pool_misses",
