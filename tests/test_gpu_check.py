@@ -89,3 +89,17 @@ def test_without_cuda_it_runs_the_cpu_checks_skips_the_rest_and_writes_one_json(
     assert all(status[n] == "skipped" for n in needs_cuda)
     race = next(c for c in doc["checks"] if c["check"] == "race_detector")
     assert race["mutant_caught"] is True
+
+
+def test_plot_writes_each_verdict_and_the_comparison_into_the_docs_block():
+    from benchmarks.plot import DOC, docs_block
+
+    doc = {"command": "gpu_check", "gpu": "H200", "torch": "2.11", "wall_s": 400.0, "checks": [
+        {"check": "sync_debug", "status": "failed", "why": "synchronizing call"},
+        {"check": "table", "status": "passed", "why": "", "rows": [], "versus": [
+            {"seq": 8192, "method": "fxckpt_offload_all", "baseline": "full_checkpoint",
+             "peak_ratio": 0.8, "step_time_ratio": 0.9, "exposed_copy_ms": 1.5}]}]}
+    block = docs_block(doc, DOC.parent / "benchmarks" / "gpu_check.png")  # not written
+    assert "| sync_debug | failed | synchronizing call |" in block
+    assert "| 8192 | fxckpt_offload_all | full_checkpoint | 0.80 | 0.90 | 1.5 |" in block
+    assert "H200" in block
