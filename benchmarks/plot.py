@@ -55,7 +55,13 @@ def _quartiles(r: dict[str, Any]) -> tuple[float, float]:
 def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if "rows" in doc:
         return list(doc["rows"])
-    return [r for s in doc.get("suites", []) if s.get("check") == "table" for r in s.get("rows", [])]
+    return [r for s in doc.get("checks", []) if s.get("check") == "table" for r in s.get("rows", [])]
+
+
+def _machine(doc: dict[str, Any]) -> dict[str, Any]:
+    # gpu_check writes the GPU and torch at the top level.
+    return doc.get("machine") or {"gpu": doc.get("gpu"), "torch": doc.get("torch"),
+                                  "wall_s": doc.get("wall_s")}
 
 
 def plot(doc: dict[str, Any], out: Path) -> Path:
@@ -67,7 +73,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     rows = [r for r in _rows(doc) if not r.get("unavailable")]
     seqs = sorted({r["seq"] for r in rows})
     fig, axes = plt.subplots(1, len(seqs), figsize=(5.4 * len(seqs) + 2.2, 4.6), squeeze=False)
-    gpu = "gpu" in doc.get("machine", {})
+    gpu = bool(_machine(doc).get("gpu"))
     unit, scale = ("GiB", 2**30) if gpu else ("MiB", MiB)
     fx_seen: list[str] = []
     handles: dict[str, Any] = {}
@@ -101,7 +107,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
 def docs_block(doc: dict[str, Any], image: Path) -> str:
     from benchmarks.cpu_bench import markdown_table
 
-    m = doc.get("machine", {})
+    m = _machine(doc)
     where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
     load = ""
     if "loadavg_start" in m:
@@ -115,14 +121,16 @@ def docs_block(doc: dict[str, Any], image: Path) -> str:
         markdown_table(_rows(doc)),
         "",
     ]
-    if "suites" in doc:  # gpu_check: its own columns, and the gradient check
-        from benchmarks.gpu_check import gpu_table
-
-        grads = [r for s in doc["suites"] if s.get("check") == "gradients" for r in s["rows"]]
-        ok = all(r.get("grads_match") for r in grads)
-        lines += [gpu_table(_rows(doc)), "",
-                  f"Gradients against eager in float32 on CUDA: {'all match' if ok else 'MISMATCH'}"
-                  f" ({', '.join(r['method'] for r in grads)}).", ""]
+    if "checks" in doc:  # gpu_check: every check's verdict, and fxckpt against the baselines
+        lines += ["| check | status | why |", "|---|---|---|"]
+        lines += [f"| {c['check']} | {c['status']} | {c.get('why', '')} |" for c in doc["checks"]]
+        versus = [r for c in doc["checks"] if c["check"] == "table" for r in c.get("versus", [])]
+        if versus:
+            lines += ["", "| seq | fxckpt | against | peak ratio | step time ratio | exposed copy ms |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {r['seq']} | {r['method']} | {r['baseline']} | {r['peak_ratio']:.2f} | "
+                      f"{r['step_time_ratio']:.2f} | {r['exposed_copy_ms']:.1f} |" for r in versus]
+        lines.append("")
     lines += [
         f"![memory against step time]({image.relative_to(DOC.parent).as_posix()})",
     ]
@@ -158,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(doc, out)
     print(f"wrote {out}")
     if not args.no_doc:
-        key = "gpu-table" if "suites" in doc else "cpu-table"
+        key = "gpu-table" if "checks" in doc else "cpu-table"
         image = out.resolve()
         if DOC.parent in image.parents and update_doc(docs_block(doc, image), key):
             print(f"updated the {key} block of {DOC}")

@@ -153,19 +153,7 @@ def _bandwidth(device: str) -> float:
     import torch
 
     if device.startswith("cuda"):
-        host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
-        dev.copy_(host, non_blocking=True)  # warm up the copy engines and the allocator
-        host.copy_(dev, non_blocking=True)
-        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        mid.record()
-        host.copy_(dev, non_blocking=True)
-        end.record()
-        end.synchronize()
-        slower_ms = max(start.elapsed_time(mid), mid.elapsed_time(end))  # the tighter channel
-        return _COPY_BYTES / max(slower_ms, 1e-6)
+        return _cuda_bandwidth(torch.device(device))
     src = torch.empty(_COPY_BYTES, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in before timing
@@ -177,6 +165,41 @@ def _bandwidth(device: str) -> float:
     return _COPY_BYTES / max(best * 1e3, 1e-6)
 
 
+def _cuda_bandwidth(device: torch.device) -> float:
+    """Bytes/ms of the slower direction between page-locked host memory and ``device``.
+
+    Everything happens on ``device``'s own current stream, under its device guard: a copy
+    runs on the stream of the device its device tensor lives on, so events recorded on the
+    *current* device's stream would time nothing when the model sits on another GPU, and
+    the planner would then believe copies are free.
+    """
+    import torch
+
+    from fxckpt import _cuda
+
+    cuda = _cuda.CUDA
+    host = cuda.page_locked(_COPY_BYTES)  # like the pool's slabs: exactly locked pages
+    try:
+        with cuda.device(device):
+            stream = cuda.current_stream(device)
+            dev = cuda.empty(_COPY_BYTES, torch.uint8, device)
+            with cuda.use_stream(stream):
+                cuda.copy(dev, host)  # warm up the copy engines and the allocator
+                cuda.copy(host, dev)
+                slower_ms = 0.0
+                for dst, src in ((dev, host), (host, dev)):
+                    start, end = cuda.event(timing=True), cuda.event(timing=True)
+                    start.record(stream)
+                    for _ in range(3):
+                        cuda.copy(dst, src)
+                    end.record(stream)
+                    end.synchronize()
+                    slower_ms = max(slower_ms, start.elapsed_time(end) / 3)
+    finally:
+        cuda.unlock(host)  # every copy has completed: end.synchronize()
+    return _COPY_BYTES / max(slower_ms, 1e-6)
+
+
 def _gpu_like(device: str) -> bool:
     # Offline plans (fxckpt inspect) run on the meta device for a GPU that is not here.
     return device.startswith(("cuda", "meta"))
@@ -185,8 +208,8 @@ def _gpu_like(device: str) -> bool:
 def measure_bandwidth(device: Any) -> float:
     """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
 
-    CUDA: a pinned 64 MiB host buffer copied H2D then D2H, timed with CUDA events; the slower
-    direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate). Meta (offline
+    CUDA: a page-locked 64 MiB host buffer copied H2D then D2H three times each on the
+    device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate). Meta (offline
     planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link.
     """
     name = device if isinstance(device, str) else str(device)

@@ -1,8 +1,8 @@
 """Copy engines: who moves bytes between device and host, and how the compute side waits.
 
-``CudaEngine`` uses side streams and events. ``CpuEngine`` stands worker threads in for the
-streams and futures for the events, with the same ordering rules, so a missing wait shows up
-as wrong values in CPU tests. Nothing here is created at import: engines, streams and
+``CudaEngine`` (``cuda_engine.py``) uses side streams and events. ``CpuEngine`` stands worker
+threads in for the streams and futures for the events, with the same ordering rules, so a
+missing wait shows up as wrong values in CPU tests. Nothing here is created at import: engines, streams and
 threads appear on first use.
 
 An engine works on :class:`Transfer` records; the ops module owns the records, the handle
@@ -11,7 +11,6 @@ registry and the host pool buffers, and tells the engine what to copy where.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from fxckpt.errors import RuntimeCopyError
+from fxckpt.runtime import stats
 from fxckpt.runtime.pool import Completion
 
 
@@ -141,8 +141,6 @@ def _injected(direction: str) -> str:
 
 
 def _fresh_span(rec: Transfer) -> torch.Tensor:
-    # torch.empty on the current stream: the caching allocator ties the block to the compute
-    # stream, which is what makes freeing it after the wait safe (pytorch#106360).
     dev = torch.empty(rec.span, dtype=rec.dtype, device=rec.device)
     if _config.poison_fresh:
         dev.view(torch.uint8).fill_(0xFF)
@@ -182,11 +180,13 @@ class CpuEngine:
         delay, fail = _copy_plan()
 
         def copy() -> None:
+            started = time.perf_counter()
             if delay:
                 time.sleep(delay)
             if fail:
                 raise RuntimeError(_injected("device-to-host"))
             host.copy_(span)
+            stats.add("copy_seconds", time.perf_counter() - started)
 
         rec.d2h = self._executors()[1].submit(copy)
 
@@ -216,11 +216,13 @@ class CpuEngine:
                     f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed "
                     f"earlier, so it cannot be restored: {err!r}"
                 ) from err
+            started = time.perf_counter()
             if delay:
                 time.sleep(delay)
             if fail:
                 raise RuntimeError(_injected("host-to-device"))
             out.copy_(host)
+            stats.add("copy_seconds", time.perf_counter() - started)
 
         rec.h2d = self._executors()[2].submit(copy)
         rec.dev = dev
@@ -266,112 +268,6 @@ def _block_on(fut: Future[None], rec: Transfer, direction: str) -> float:
     return 0.0 if start is None else time.perf_counter() - start
 
 
-# torch.cuda._sleep spins for a number of GPU clock cycles; ~1.5 GHz turns seconds into cycles
-# closely enough for an injected delay.
-_CYCLES_PER_S = 1_500_000_000
-
-
-class CudaEngine:
-    """Side streams and events. Streams are made once: torch hands out streams round-robin
-    from a pool of 32 per priority, so making them per call would alias other users'."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._lock = threading.Lock()
-        self._streams: dict[str, list[torch.cuda.Stream]] = {"d2h": [], "h2d": []}
-        self._turn = itertools.count()
-
-    def _stream(self, direction: str) -> torch.cuda.Stream:
-        n = _config.copy_streams
-        with self._lock:
-            streams = self._streams[direction]
-            while len(streams) < n:
-                streams.append(torch.cuda.Stream(self.device))
-            return streams[next(self._turn) % n]
-
-    def _delay(self, delay: float) -> None:
-        if delay:
-            torch.cuda._sleep(int(delay * _CYCLES_PER_S))
-
-    def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
-        delay, fail = _copy_plan()
-        compute = torch.cuda.current_stream(self.device)
-        side = self._stream("d2h")
-        side.wait_stream(compute)  # the source is written by kernels already queued on compute
-        done = torch.cuda.Event()
-        with torch.cuda.stream(side):
-            self._delay(delay)
-            if fail:
-                rec.error = _injected("device-to-host")
-            else:
-                host.copy_(span, non_blocking=True)
-            done.record(side)
-        # The source stays referenced (rec.src) until compute has waited on `done`: freeing
-        # it earlier would let the allocator hand its block to a kernel while the copy reads.
-        rec.d2h = done
-        rec.src_stream = compute
-
-    def finish_offload(self, rec: Transfer) -> float:
-        if not _config.unsafe_skip_waits:
-            torch.cuda.current_stream(self.device).wait_event(rec.d2h)
-        rec.src = None
-        if rec.error is not None:
-            raise RuntimeCopyError(f"fxckpt: offload of {rec.describe()} failed: {rec.error}")
-        # The compute stream waits on the GPU; the host does not block, so nothing to count.
-        return 0.0
-
-    def start_prefetch(self, rec: Transfer) -> None:
-        delay, fail = _copy_plan()
-        compute = torch.cuda.current_stream(self.device)
-        dev = _fresh_span(rec)
-        assert rec.host is not None
-        host = rec.host[: rec.nbytes]
-        side = self._stream("h2d")
-        # pytorch#106360: `dev` may be a block that compute freed but queued kernels still
-        # use; the copy must not start before compute reaches this point.
-        side.wait_stream(compute)
-        side.wait_event(rec.d2h)
-        done = torch.cuda.Event()
-        with torch.cuda.stream(side):
-            self._delay(delay)
-            if fail:
-                rec.error = rec.error or _injected("host-to-device")
-            else:
-                dev.view(torch.uint8).copy_(host, non_blocking=True)
-            done.record(side)
-        rec.h2d = done
-        rec.dev = dev
-        rec.dev_stream = compute
-
-    def finish_prefetch(self, rec: Transfer) -> tuple[torch.Tensor, float]:
-        dev = rec.dev
-        assert dev is not None
-        compute = torch.cuda.current_stream(self.device)
-        if not _config.unsafe_skip_waits:
-            compute.wait_event(rec.h2d)
-        if compute != rec.dev_stream:
-            dev.record_stream(compute)  # allocated on another stream: tell the allocator
-        rec.dev = None
-        if rec.error is not None:
-            raise RuntimeCopyError(f"fxckpt: restoring {rec.describe()} failed: {rec.error}")
-        return dev, 0.0
-
-    def release(self, rec: Transfer) -> tuple[Completion, ...]:
-        # Dropped without its wait (exception mid-step, backward never run): the copies may
-        # still be running. Make the allocating stream wait for them before the blocks can
-        # be reused; that is a queued wait, safe to issue from a GC callback.
-        if rec.dev is not None and rec.h2d is not None:
-            rec.dev_stream.wait_event(rec.h2d)
-        if rec.src is not None and rec.d2h is not None:
-            rec.src_stream.wait_event(rec.d2h)
-        rec.dev = rec.src = None
-        return tuple(e.query for e in (rec.d2h, rec.h2d) if e is not None)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._streams = {"d2h": [], "h2d": []}
-
-
 _engines: dict[torch.device, Engine] = {}
 _engines_lock = threading.Lock()
 
@@ -388,6 +284,8 @@ def get_engine(device: torch.device | str) -> Engine:
         engine = _engines.get(device)
         if engine is None:
             if device.type == "cuda":
+                from fxckpt.runtime.cuda_engine import CudaEngine  # imports fxckpt._cuda
+
                 engine = CudaEngine(device)
             elif device.type == "cpu":
                 engine = CpuEngine(device)
@@ -398,6 +296,17 @@ def get_engine(device: torch.device | str) -> Engine:
                 )
             _engines[device] = engine
         return engine
+
+
+def read_timings() -> None:
+    """Count the CUDA copy and stall times whose events completed (no synchronization)."""
+    for engine in list(_engines.values()):
+        reader = getattr(engine, "read_timings", None)
+        if reader is not None:
+            reader()
+
+
+stats.add_collector(read_timings)
 
 
 def shutdown_all() -> None:

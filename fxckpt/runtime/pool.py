@@ -9,10 +9,11 @@ step, so at most 25% of a buffer is wasted (torch's CachingHostAllocator rounds 
 power of two: up to 100%). Sequence lengths that vary by a few percent then land in the same
 class and reuse the same buffers, and the steady state makes no host allocation at all.
 
-Pinned buffers come from ``torch.empty(..., pin_memory=True)``, i.e. torch's
-CachingHostAllocator, which rounds each of *our* buffers up to a power of two once more
-(HOST_MEMORY_NOTES.md §1). The waste is paid once per buffer, not per step, because the pool
-keeps its buffers for the life of the process.
+Pinned buffers are carved out of a few page-locked slabs (``slabs.py``), not allocated one
+by one from torch's CachingHostAllocator, which would round each of them up to a power of two
+once more and page-lock it separately (HOST_MEMORY_NOTES.md §1). For the pinned pool,
+``bytes`` and the cap count page-locked slab bytes. The CPU pool allocates each buffer with
+``torch.empty``, as before.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fxckpt.runtime import stats
+from fxckpt.runtime.slabs import Slabs, unlock_all
 
 MIN_CLASS_BYTES = 4096
 SUBCLASSES_PER_OCTAVE = 4
@@ -69,12 +71,14 @@ class HostPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
         self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
+        self._slabs = Slabs() if pinned else None
         # The process-wide pool_bytes counts this pool's buffers until the pool itself dies.
-        weakref.finalize(self, _forget, self._held).atexit = False
+        slab_list = self._slabs.slabs if self._slabs is not None else []
+        weakref.finalize(self, _forget, self._held, pinned, slab_list).atexit = False
 
     @property
     def bytes(self) -> int:
-        """Bytes held by this pool: in use, pending or free."""
+        """Bytes held by this pool: in use, pending or free (pinned: page-locked slab bytes)."""
         return self._held[0]
 
     def set_cap(self, max_bytes: int | None) -> None:
@@ -95,6 +99,8 @@ class HostPool:
                 stats.add("pool_hits", 1)
                 return free.pop()
             stats.add("pool_misses", 1)
+            if self._slabs is not None:
+                return self._carve(cls)
             self._make_room(cls)
             return self._allocate(cls)
 
@@ -111,6 +117,8 @@ class HostPool:
         with self._lock:
             self._absorb_returned()
             free = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            if self._slabs is not None:
+                free += self._slabs.uncarved_bytes()
             pending = sum(b.numel() for b, _ in self._pending)
             return {
                 "bytes": self.bytes,
@@ -123,6 +131,10 @@ class HostPool:
         """Free every idle buffer; returns the bytes given back."""
         with self._lock:
             self._absorb_returned()
+            if self._slabs is not None:
+                before = self.bytes
+                self._evict_idle(lambda: True)
+                return before - self.bytes
             freed = sum(b.numel() for bufs in self._free.values() for b in bufs)
             self._free.clear()
             self._shrink(freed)
@@ -158,6 +170,12 @@ class HostPool:
             )
 
     def _evict_idle(self, too_big: Callable[[], bool]) -> None:
+        if self._slabs is not None:  # only a slab whose every buffer is idle can go
+            for slab in self._slabs.idle(self._free):
+                if not too_big():
+                    return
+                self._shrink(self._slabs.release(slab, self._free))
+            return
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and too_big():
@@ -175,14 +193,56 @@ class HostPool:
         stats.pool_resized(cls)
         return buf
 
+    def _carve(self, cls: int) -> torch.Tensor:
+        slabs = self._slabs
+        assert slabs is not None
+        buf = slabs.carve(cls)
+        if buf is None:  # re-carve an idle slab before page-locking more memory
+            for slab in slabs.idle(self._free):
+                if slab.nbytes >= cls:
+                    slabs.reset(slab, self._free)
+                    buf = slabs.carve(cls)
+                    break
+        if buf is not None:
+            return buf
+        cap = self.max_bytes
+        try:
+            grown = slabs.grow(cls, None if cap is None else cap - self.bytes)
+            if not grown:  # over the cap: give idle slabs back until one fits
+                for slab in slabs.idle(self._free):
+                    self._shrink(slabs.release(slab, self._free))
+                    assert cap is not None
+                    grown = slabs.grow(cls, cap - self.bytes)
+                    if grown:
+                        break
+        except (RuntimeError, MemoryError, OSError) as err:
+            raise PoolExhausted(f"page-locking a slab for {cls} bytes failed: {err}") from err
+        if not grown:
+            raise PoolExhausted(
+                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"{self.bytes} bytes page-locked, a slab for {cls} more does not fit"
+            )
+        self._held[0] += grown
+        stats.add("host_allocations", 1)
+        stats.pool_resized(grown)
+        stats.pinned_resized(grown)
+        buf = slabs.carve(cls)
+        assert buf is not None
+        return buf
+
     def _shrink(self, nbytes: int) -> None:
         if nbytes:
             self._held[0] -= nbytes
             stats.pool_resized(-nbytes)
+            if self.pinned:
+                stats.pinned_resized(-nbytes)
 
 
-def _forget(held: list[int]) -> None:
+def _forget(held: list[int], pinned: bool, slabs: list) -> None:
     stats.pool_resized(-held[0])
+    if pinned:
+        stats.pinned_resized(-held[0])
+        unlock_all(slabs)
 
 
 _pools: dict[str, HostPool] = {}

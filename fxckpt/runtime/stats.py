@@ -8,11 +8,13 @@ needs no back-reference to this module's readers. The pool reports its own figur
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 _COUNTERS = (
     "offloaded_bytes",
     "prefetched_bytes",
     "stall_seconds",
+    "copy_seconds",
     "offload_calls",
     "fallbacks",
     "pool_hits",
@@ -21,12 +23,15 @@ _COUNTERS = (
     "resident_saved_bytes",
 )
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone.
-_LEVELS = ("pool_bytes",)
+_LEVELS = ("pool_bytes", "pinned_bytes")
 
 _lock = threading.Lock()
 _values: dict[str, float | int] = dict.fromkeys(_COUNTERS + _LEVELS, 0)
-_values["stall_seconds"] = 0.0
+_values["stall_seconds"] = _values["copy_seconds"] = 0.0
 _high_water = 0
+# Called before every snapshot: the CUDA engine counts copy and stall times only once their
+# events have completed, which it checks without synchronizing.
+_collectors: list[Callable[[], None]] = []
 # A dict is an insertion-ordered set: membership costs one hash, and the payload string is
 # the same constant object at every call of a compiled graph, so its hash is cached.
 _plans: dict[str, None] = {}
@@ -60,6 +65,12 @@ def pool_resized(delta: int) -> None:
             _high_water = now
 
 
+def pinned_resized(delta: int) -> None:
+    """The process now holds ``delta`` more page-locked bytes (slabs of the pinned pool)."""
+    with _lock:
+        _values["pinned_bytes"] = int(_values["pinned_bytes"]) + delta
+
+
 def add_plan_payload(s: str) -> None:
     """Remember a plan payload (a JSON string); empty strings and repeats are ignored."""
     if not s or s in _plans:
@@ -74,8 +85,16 @@ def plan_payloads() -> list[str]:
         return list(_plans)
 
 
+def add_collector(fn: Callable[[], None]) -> None:
+    """Run ``fn`` before each :func:`snapshot`, outside the lock (it may call :func:`add`)."""
+    if fn not in _collectors:
+        _collectors.append(fn)
+
+
 def snapshot() -> dict[str, float | int]:
     """A consistent copy of every figure, including ``pool_high_water_bytes``."""
+    for collect in list(_collectors):
+        collect()
     with _lock:
         out = dict(_values)
         out["pool_high_water_bytes"] = _high_water
@@ -88,6 +107,6 @@ def reset() -> None:
     with _lock:
         for name in _COUNTERS:
             _values[name] = 0
-        _values["stall_seconds"] = 0.0
+        _values["stall_seconds"] = _values["copy_seconds"] = 0.0
         _high_water = int(_values["pool_bytes"])
         _plans.clear()

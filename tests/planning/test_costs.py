@@ -133,6 +133,27 @@ def test_measure_bandwidth_is_positive_and_cached(monkeypatch):
     assert costs._bandwidth.cache_info().hits >= 1
 
 
+def test_the_cuda_probe_times_the_copies_own_device(monkeypatch):
+    # The copy runs on the stream of the device its device tensor lives on; timing events on
+    # the current device's stream instead measured ~0 s for a model on cuda:1.
+    from cuda_double import FakeCuda
+
+    from fxckpt import _cuda
+
+    hw = FakeCuda(bandwidth={"cuda:0": 5e6, "cuda:1": 2e6})  # bytes per ms
+    monkeypatch.setattr(_cuda, "CUDA", hw)
+    costs._bandwidth.cache_clear()
+    try:
+        assert hw.current_device == "cuda:0"
+        assert measure_bandwidth("cuda:1") == pytest.approx(2e6)
+        assert measure_bandwidth("cuda:0") == pytest.approx(5e6)
+    finally:
+        costs._bandwidth.cache_clear()
+    assert hw.pageable_copies == []
+    assert hw.locked_bytes() == 0  # the probe's page-locked buffer is given back
+    assert hw.races == []
+
+
 @pytest.mark.gpu
 def test_measure_bandwidth_cuda():
     bw = measure_bandwidth("cuda")

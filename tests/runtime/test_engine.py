@@ -208,11 +208,13 @@ def test_importing_the_ops_creates_nothing():
     assert done.stdout.strip() == "ok"
 
 
-def test_runtime_imports_only_errors_from_the_rest_of_fxckpt():
+def test_runtime_imports_only_errors_and_the_cuda_seam_from_the_rest_of_fxckpt():
     for path in sorted(RUNTIME.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
+                if node.module == "fxckpt":
+                    names = [f"fxckpt.{alias.name}" for alias in node.names]
                 assert node.level == 0, f"{path.name}: use absolute imports"
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -220,6 +222,8 @@ def test_runtime_imports_only_errors_from_the_rest_of_fxckpt():
                 continue
             for name in names:
                 if name == "fxckpt" or name.startswith("fxckpt."):
-                    assert name == "fxckpt.errors" or name.startswith("fxckpt.runtime"), (
+                    assert name in ("fxckpt.errors", "fxckpt._cuda") or name.startswith(
+                        "fxckpt.runtime"
+                    ), (
                         f"{path.name} imports {name}"
                     )

@@ -46,6 +46,14 @@ def test_stall_seconds_count_time_blocked_on_copies():
     assert stats.snapshot()["stall_seconds"] >= 0.08  # one blocked offload_done and one wait
 
 
+def test_copy_seconds_count_the_workers_copy_time_and_reset_zeroes_them():
+    engine.configure(copy_delay_s=0.05)
+    _round_trip(torch.randn(100))
+    assert stats.snapshot()["copy_seconds"] >= 0.1  # both copies, each delayed 0.05 s
+    stats.reset()
+    assert stats.snapshot()["copy_seconds"] == 0.0
+
+
 def test_reset_zeroes_counters_and_rebases_the_high_water_mark():
     _round_trip(torch.randn(1 << 16))
     before = stats.snapshot()
@@ -78,10 +86,12 @@ def test_snapshot_has_every_documented_figure():
         "offloaded_bytes",
         "prefetched_bytes",
         "stall_seconds",
+        "copy_seconds",
         "offload_calls",
         "fallbacks",
         "resident_saved_bytes",
         "pool_bytes",
+        "pinned_bytes",
         "pool_high_water_bytes",
         "pool_hits",
         "pool_misses",

@@ -1,0 +1,155 @@
+"""Every CUDA call fxckpt makes, behind one replaceable object.
+
+The copy engine, the pinned host pool and the bandwidth probe call ``CUDA.<method>`` and
+nothing else of ``torch.cuda``. Tests put a recording double of the hardware in its place
+(``tests/cuda_double.py``), so the real engine code runs, and its stream ordering is checked,
+on a machine without a GPU. Nothing here runs at import: no context, stream or pinned page
+exists before the first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fxckpt.runtime")
+
+PAGE_BYTES = mmap.PAGESIZE
+# cudaHostRegisterPortable: the pages count as pinned for every device, so one host pool
+# serves a model spread over several GPUs.
+_HOST_REGISTER_PORTABLE = 1
+_CU_STREAM_NON_BLOCKING = 1
+# torch.cuda._sleep spins for a number of GPU clock cycles; ~1.5 GHz turns seconds into cycles
+# closely enough for an injected delay.
+_CYCLES_PER_S = 1_500_000_000
+
+
+class TorchCuda:
+    """The real thing: ``torch.cuda`` plus two driver calls torch does not expose."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copy_streams: dict[tuple[int, int], Any] = {}
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def copy_stream(self, device: torch.device, slot: int) -> Any:
+        """The ``slot``-th copy stream of ``device``, made once per process.
+
+        ``torch.cuda.Stream()`` hands out streams round-robin from a pool of 32 per priority
+        per device (``c10/cuda/CUDAStream.h``), the same pool that NCCL and FSDP draw their
+        streams from: a copy could then queue behind a collective. A stream created through
+        the driver and wrapped in ``ExternalStream`` belongs to fxckpt alone. It must be
+        non-blocking: a plain ``cudaStreamCreate`` stream (the only one ``torch.cuda.cudart()``
+        offers) synchronizes with the legacy default stream, which is torch's compute stream
+        unless the user set another, and every copy would serialize with compute.
+        """
+        index = _index(device)
+        with self._lock:
+            stream = self._copy_streams.get((index, slot))
+            if stream is None:
+                raw = _driver_stream(index)
+                if raw is None:
+                    log.info(
+                        "fxckpt: no driver stream on cuda:%d; copy stream %d comes from torch's "
+                        "stream pool and may be shared with collectives",
+                        index,
+                        slot,
+                    )
+                    stream = torch.cuda.Stream(index)
+                else:
+                    stream = torch.cuda.ExternalStream(raw, device=index)
+                self._copy_streams[(index, slot)] = stream
+            return stream
+
+    def event(self, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(_index(device))
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Device memory from the caching allocator, tied to the current stream."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """An asynchronous copy on the current stream of the device side's device."""
+        dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def sleep(self, seconds: float) -> None:
+        """Keep the current stream busy for about ``seconds`` (injected copy delays)."""
+        torch.cuda._sleep(int(seconds * _CYCLES_PER_S))
+
+    def page_locked(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (a multiple of the page size) of host memory, page-locked exactly.
+
+        An anonymous mapping is page-aligned, and ``cudaHostRegister`` pins exactly its pages;
+        ``torch.empty(pin_memory=True)`` would round the request up to a power of two
+        (HOST_MEMORY_NOTES.md). Registered memory reports ``is_pinned()``, so copies from it
+        are truly asynchronous.
+        """
+        area = mmap.mmap(-1, nbytes)
+        buf = torch.frombuffer(area, dtype=torch.uint8)  # keeps ``area`` alive
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes,
+                                                       _HOST_REGISTER_PORTABLE))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
+        return buf
+
+    def unlock(self, buf: torch.Tensor) -> None:
+        """Undo :meth:`page_locked`; the memory goes once the last view of ``buf`` dies."""
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _driver_stream(index: int) -> int | None:
+    """A new non-blocking stream on device ``index``, made through the driver; None if not."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        # The primary context is the one the runtime (and so torch) uses; pushing it makes
+        # this call independent of whatever context this thread has current.
+        if lib.cuDeviceGet(ctypes.byref(dev), index) != 0:
+            return None
+        if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return None
+        if lib.cuCtxPushCurrent_v2(ctx) != 0:
+            return None
+        try:
+            err = lib.cuStreamCreateWithPriority(ctypes.byref(raw), _CU_STREAM_NON_BLOCKING, 0)
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        return raw.value if err == 0 and raw.value else None
+    except (OSError, AttributeError):
+        return None
+
+
+CUDA: Any = TorchCuda()
+
+
+@contextlib.contextmanager
+def replaced(double: Any) -> Iterator[Any]:
+    """Route every CUDA call through ``double`` for the ``with`` block (tests)."""
+    global CUDA
+    saved, CUDA = CUDA, double
+    try:
+        yield double
+    finally:
+        CUDA = saved

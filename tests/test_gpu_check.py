@@ -1,0 +1,105 @@
+"""benchmarks/gpu_check.py: every verdict it can reach, on the CPU, and its run without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from benchmarks import gpu_verdicts as v
+
+
+def test_noise_floor_is_the_largest_measured_difference_per_parameter():
+    f64 = {"dtype": torch.float64}
+    ref = {"w": torch.tensor([1.0, 2.0], **f64), "b": torch.tensor([0.5], **f64)}
+    again = {"w": torch.tensor([1.0, 2.0 + 1e-6], **f64), "b": torch.tensor([0.5], **f64)}
+    compiled = {"w": torch.tensor([1.0 + 3e-6, 2.0], **f64), "b": torch.tensor([0.5 + 1e-7], **f64)}
+    floor = v.noise_floor(v.grad_diffs(ref, again), v.grad_diffs(ref, compiled))
+    assert floor["w"] == pytest.approx(3e-6, rel=1e-3)
+    assert floor["b"] == pytest.approx(1e-7, rel=1e-2)
+
+
+def test_a_gradient_is_judged_against_the_floor_and_a_race_is_not_within_it():
+    ref = {"w": torch.ones(100)}
+    floor, scale = {"w": 1e-6}, v.grad_scale(ref)
+    close = {"w": torch.ones(100) + 3e-6}
+    raced = {"w": torch.ones(100)}
+    raced["w"][7] = 0.0  # a restore that read a buffer before its copy landed
+    ok, _ = v.within_floor(v.grad_diffs(ref, close), floor, scale)
+    assert ok
+    ok, note = v.within_floor(v.grad_diffs(ref, raced), floor, scale)
+    assert not ok and "w" in note
+    poisoned = {"w": torch.full((100,), float("nan"))}
+    assert not v.within_floor(v.grad_diffs(ref, poisoned), floor, scale)[0]
+    assert not v.within_floor(v.grad_diffs(ref, {}), floor, scale)[0]
+
+
+def test_memory_verdict_allows_five_percent_of_the_reference():
+    assert v.memory_verdict(104, 100, reference=100)["ok"]
+    assert not v.memory_verdict(106, 100, reference=100)["ok"]
+    assert v.memory_verdict(0, 0, reference=0)["ok"]
+    assert not v.memory_verdict(50, 0, reference=0)["ok"]  # a fallback the plan did not predict
+
+
+def test_copy_overlap_needs_copies_on_a_side_stream_running_under_kernels():
+    k = [v.TraceEvent("gemm", 7, 0, 100), v.TraceEvent("gemm", 7, 100, 200)]
+    hidden = v.copy_overlap(k + [v.TraceEvent("Memcpy DtoH (Device -> Pinned)", 20, 50, 150)])
+    assert hidden["ok"] and hidden["overlap_share"] == 1.0
+    half = v.copy_overlap(k + [v.TraceEvent("Memcpy HtoD", 20, 150, 250)])
+    assert half["overlap_share"] == pytest.approx(0.5)
+    serial = v.copy_overlap(k + [v.TraceEvent("Memcpy DtoH", 20, 300, 400)])
+    assert not serial["ok"]
+    on_compute = v.copy_overlap(k + [v.TraceEvent("Memcpy DtoH", 7, 50, 60)])
+    assert not on_compute["ok"] and on_compute["side_stream_copies"] == 0
+
+
+def test_summary_puts_fxckpt_against_each_baseline_of_the_same_length():
+    rows = [
+        {"seq": 8, "method": "full_checkpoint", "peak_bytes": 200, "step_ms": 10.0},
+        {"seq": 8, "method": "save_on_cpu", "peak_bytes": 100, "step_ms": 20.0},
+        {"seq": 8, "method": "fxckpt_offload_all", "peak_bytes": 100, "step_ms": 12.0,
+         "stall_s_per_step": 0.002},
+        {"seq": 16, "method": "full_checkpoint", "unavailable": "OOM"},
+    ]
+    got = v.summarize(rows, ("full_checkpoint", "save_on_cpu"))
+    assert [(r["baseline"], r["peak_ratio"], r["step_time_ratio"]) for r in got] == [
+        ("full_checkpoint", 0.5, 1.2), ("save_on_cpu", 1.0, 0.6)]
+    assert got[0]["exposed_copy_ms"] == pytest.approx(2.0)
+    assert v.hidden_share(0.002, 0.010) == pytest.approx(0.8)
+    assert v.hidden_share(0.0, 0.0) is None
+
+
+def test_deadline_skips_what_does_not_fit():
+    d = v.Deadline(10.0)
+    assert d.allows(5.0) and not d.allows(60.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs every check")
+def test_without_cuda_it_runs_the_cpu_checks_skips_the_rest_and_writes_one_json(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = gpu_check.main(["--json", str(out), "--compiler", "eager"])
+    assert "CUDA is not available" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    status = {c["check"]: c["status"] for c in doc["checks"]}
+    assert status["gradients"] == status["race_detector"] == "passed", doc["failures"]
+    assert code == 0
+    needs_cuda = [name for name, cuda, _, _ in gpu_check.CHECKS if cuda]
+    assert all(status[n] == "skipped" for n in needs_cuda)
+    race = next(c for c in doc["checks"] if c["check"] == "race_detector")
+    assert race["mutant_caught"] is True
+
+
+def test_plot_writes_each_verdict_and_the_comparison_into_the_docs_block():
+    from benchmarks.plot import DOC, docs_block
+
+    doc = {"command": "gpu_check", "gpu": "H200", "torch": "2.11", "wall_s": 400.0, "checks": [
+        {"check": "sync_debug", "status": "failed", "why": "synchronizing call"},
+        {"check": "table", "status": "passed", "why": "", "rows": [], "versus": [
+            {"seq": 8192, "method": "fxckpt_offload_all", "baseline": "full_checkpoint",
+             "peak_ratio": 0.8, "step_time_ratio": 0.9, "exposed_copy_ms": 1.5}]}]}
+    block = docs_block(doc, DOC.parent / "benchmarks" / "gpu_check.png")  # not written
+    assert "| sync_debug | failed | synchronizing call |" in block
+    assert "| 8192 | fxckpt_offload_all | full_checkpoint | 0.80 | 0.90 | 1.5 |" in block
+    assert "H200" in block
