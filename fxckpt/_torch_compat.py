@@ -100,6 +100,23 @@ def min_cut_without_cse(
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
+    """Make each key node of ``graph`` run after the nodes listed for it, in any scheduler.
+
+    Inductor's ``preserve_node_ordering`` (``_inductor/fx_passes/control_dependencies``, in
+    2.11 and 2.13) wraps each key node in the ``control_deps`` higher-order op; lowering turns
+    the listed nodes into ordering-only dependencies of the operations the key node lowers
+    to: they neither extend a buffer's lifetime nor copy anything. Only for graphs Inductor
+    compiles: torch 2.11 has no eager kernel for ``control_deps``. A listed node must lower
+    to a tensor (2.11 drops other dependencies without a word), and a key node must lower to
+    at least one operation of its own (a view or a getitem lowers to none).
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    preserve_node_ordering(graph, {node: OrderedSet(after) for node, after in deps.items()})
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -141,6 +158,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
     "register_logging",
+    "run_after",
     "trace_plan_artifact",
 ]
 

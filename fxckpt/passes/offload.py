@@ -51,6 +51,14 @@ def _handle_val(like: torch.Tensor) -> torch.Tensor:
         return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _token_val(like: torch.Tensor) -> torch.Tensor:
+    fake_mode = getattr(like, "fake_mode", None)
+    if fake_mode is None:
+        return torch.empty(0, dtype=torch.uint8)
+    with fake_mode:
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
 def _empty_val(gm: fx.GraphModule, device: torch.device) -> torch.Tensor:
     for n in gm.graph.nodes:
         fake_mode = getattr(n.meta.get("val"), "fake_mode", None)
@@ -160,7 +168,9 @@ def insert_offloads(
         anchor = handle if done_after is src else done_after
         with fw.graph.inserting_after(anchor):
             done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
-        done.meta.update({meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name})
+        done.meta.update(
+            {"val": _token_val(val), meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name}
+        )
         outputs[outputs.index(src)] = handle
 
         ph = bw_nodes[p.name]

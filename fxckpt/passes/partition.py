@@ -60,7 +60,7 @@ from fxckpt.passes.budget import (
     user_offload_requests,
 )
 from fxckpt.passes.offload import insert_note, insert_offloads
-from fxckpt.passes.schedule import place_offloads
+from fxckpt.passes.schedule import pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
@@ -291,6 +291,9 @@ def partition(
         payload = record(plan)
         resident = _resident(fw, attempt)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
+    if inductor:
+        with step(graph_name, "pin positions"):
+            fw, bw = pin_positions(fw), pin_positions(bw)
     _log_plan(plan)
     return fw, bw
 

@@ -9,10 +9,14 @@ names, so the graph runs the schedule the plan's figures describe.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
+from fxckpt._torch_compat import run_after
+from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.passes.offload import Placement
 
@@ -43,3 +47,123 @@ def place_offloads(
             )
         )
     return placements
+
+
+# The ops whose positions the plan fixes: each is a barrier between the compute before it and
+# the compute after it in FX order.
+_PINNED = (
+    meta.ROLE_OFFLOAD, meta.ROLE_OFFLOAD_DONE, meta.ROLE_PREFETCH, meta.ROLE_WAIT, meta.ROLE_NOTE
+)
+
+
+def _tensor_val(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _output(node: fx.Node) -> fx.Node | None:
+    """A tensor ``node`` produces, as a node ordered right after it: the node itself, or a
+    getitem of its first tensor result (made here when the graph reads it only later)."""
+    if _tensor_val(node):
+        return node
+    vals = node.meta.get("val") or ()
+    first = next((i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)), None)
+    if first is None:
+        return None
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == first and user.prev is node:
+            return user
+    with node.graph.inserting_after(node):
+        item = node.graph.call_function(operator.getitem, (node, first))
+    item.meta["val"] = vals[first]
+    return item
+
+
+def _computes(node: fx.Node) -> bool:
+    """A node that lowers to kernels of its own: an aten op that is not a view, reads a
+    tensor and returns tensors. Views, getitems, SymInt arithmetic and fxckpt's own ops
+    lower to no kernel of their own, and an op reading no tensor (``full``, ``arange``)
+    Inductor inlines into its users; none of them can carry an ordering dependency."""
+    target = node.target
+    val = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and not target.is_view
+        and meta.ROLE not in node.meta
+        and (isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and len(val) > 0))
+        and any(_tensor_val(a) for a in node.all_input_nodes)
+    )
+
+
+def _reach(node: fx.Node, step: str, compute: set[fx.Node]) -> set[fx.Node]:
+    """The compute nodes next to ``node`` through ``step`` ("users" or "all_input_nodes"),
+    looking through the nodes that compute nothing (views, getitems)."""
+    found: set[fx.Node] = set()
+    todo = list(getattr(node, step))
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in compute or meta.ROLE in n.meta:
+            found.add(n)
+        elif n.op == "call_function":
+            todo.extend(getattr(n, step))
+    return found
+
+
+def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
+    """After this pass, every fxckpt op of ``gm`` runs after all compute that precedes it in
+    FX order and before all compute that follows it, in whatever order a scheduler prefers
+    to run the rest.
+
+    Inductor reorders freely within data dependencies: ``reorder_for_peak_memory`` moves a
+    join next to the last use of its source and hoists a prefetch to the top, and work that
+    depends only on the inputs runs wherever it lowers peak memory. So each op is pinned
+    from both sides, with dependencies no scheduler may break:
+
+    - not earlier: the op's ``after`` argument takes the previous op's output and every
+      compute node since that op with no compute user before this one (the only ones not
+      already ordered before it through the others);
+    - not later: each compute node that follows the op without depending on it or on later
+      compute is made to depend on the op's output, through Inductor's ``control_deps``
+      (:func:`fxckpt._torch_compat.run_after`).
+
+    So consecutive ops form a chain and compute between two of them stays between them. A
+    fusion across an op is no longer possible: the op's position is a kernel boundary.
+    """
+    nodes = list(gm.graph.nodes)
+    compute = {n for n in nodes if _computes(n)}
+    last: fx.Node | None = None  # the last pinned op so far
+    since: list[fx.Node] = []  # compute nodes after it, in order
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if node.meta.get(meta.ROLE) in _PINNED:
+            later = set(since)
+            sinks = [n for n in since if not (_reach(n, "users", compute) & later)]
+            after = [last] if last is not None and _tensor_val(last) else []
+            after += [out for n in sinks if (out := _output(n)) is not None]
+            taken = set(node.all_input_nodes)
+            _set_after(node, [a for a in after if a not in taken])
+            last, since = node, []
+        elif node in compute:
+            if last is not None and not (_reach(node, "all_input_nodes", compute) & {last, *since}):
+                deps[node] = [last]  # depends only on what ran before `last`: pin it after
+            since.append(node)
+    if deps:
+        run_after(gm.graph, deps)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _set_after(node: fx.Node, after: list[fx.Node]) -> None:
+    """Fill the ``after`` argument of a fxckpt op (the last one of each schema)."""
+    if not after:
+        return
+    schema = node.target._schema  # type: ignore[union-attr]
+    names = [a.name for a in schema.arguments]
+    args = list(node.args) + [None] * (len(names) - len(node.args))
+    args[names.index("after")] = after
+    node.args = tuple(args)
