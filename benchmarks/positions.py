@@ -70,6 +70,16 @@ class Graph:
     kernels: list[list[str]]  # generated order; each item: the FX nodes it computes
     code: str = ""
     ops: list[Op] = field(default_factory=list)
+    gm: torch.fx.GraphModule | None = None  # the graph itself (Inductor's post-grad passes ran)
+
+    def op(self, role: str, source: str) -> Op:
+        return next(o for o in self.ops if o.role == role and o.source == source)
+
+    @property
+    def compute_kernels(self) -> int:
+        """Kernels that compute nodes of fxckpt's graph (not allocations, not fxckpt's ops)."""
+        index = set(self.fx) - set(self.roles)
+        return sum(1 for k in self.kernels if not set(k) & set(self.roles) and set(k) & index)
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
@@ -114,25 +124,36 @@ class Recorder:
 
         backward = any(n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder"))
         self.graphs.append(_snapshot(gm, "backward" if backward else "forward"))
+        self.graphs[-1].gm = gm
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
-    def backend(self, options: dict[str, Any]) -> Callable[..., Any]:
-        """fxckpt under Inductor as ``backend="fxckpt"`` compiles, with the recording inner
-        compiler."""
+    def read(self, codes: Sequence[str]) -> list[Graph]:
+        """Attach the generated code (from ``run_and_get_code``, one module per graph),
+        check it against the recorded kernel order, and analyse each graph."""
+        if len(codes) != len(self.graphs):
+            raise AssertionError(f"{len(codes)} code modules for {len(self.graphs)} graphs")
+        for graph, code in zip(self.graphs, codes, strict=True):
+            graph.code = code
+            check_code(graph)
+            analyse(graph)
+        return self.graphs
+
+    def backend(self, options: dict[str, Any], mode: str | None = None) -> Callable[..., Any]:
+        """fxckpt under Inductor as ``backend="fxckpt"`` compiles (``mode`` as
+        ``torch.compile``'s), with the recording inner compiler."""
         from torch._inductor.compile_fx import compile_fx
 
-        from fxckpt.backend import FxckptPartitioner
+        from fxckpt._torch_compat import assume_aligned_outputs
+        from fxckpt.backend import FxckptPartitioner, mode_patches
         from fxckpt.options import Options
+        from fxckpt.runtime.ops import WAIT
 
         partitioner = FxckptPartitioner(Options.from_mapping(options))
+        patches = {"custom_partitioner_fn": partitioner, **mode_patches(mode)}
+        assume_aligned_outputs(WAIT)
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            return compile_fx(
-                gm,
-                example_inputs,
-                inner_compile=self.inner,
-                config_patches={"custom_partitioner_fn": partitioner},
-            )
+            return compile_fx(gm, example_inputs, inner_compile=self.inner, config_patches=patches)
 
         return backend
 
@@ -156,9 +177,17 @@ class Recorder:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        """Record inside this block. The compiled-graph caches are off in it, so that Inductor
+        partitions and schedules now (the kernel cache stays: same code, same binary)."""
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
         from torch._inductor.scheduler import Scheduler
 
-        with mock.patch.object(Scheduler, "_codegen", self._codegen(Scheduler._codegen)):
+        with (
+            mock.patch.object(Scheduler, "_codegen", self._codegen(Scheduler._codegen)),
+            inductor_config.patch(fx_graph_cache=False),
+            functorch_config.patch(enable_autograd_cache=False),
+        ):
             yield
 
 
@@ -225,13 +254,12 @@ def check_code(graph: Graph) -> None:
 def compile_and_read(
     model: nn.Module, inputs: Sequence[Any], options: dict[str, Any]
 ) -> list[Graph]:
-    """Train one step of ``model`` under fxckpt + Inductor (caches off, so that Inductor
-    generates the code now) and return its analysed graphs, forward first."""
+    """Train one step of ``model`` under fxckpt + Inductor and return its analysed graphs,
+    forward first."""
     from torch._inductor.utils import run_and_get_code
 
     recorder = Recorder()
-    graphs = recorder.graphs
-    with recorder.active(), torch.compiler.config.patch(force_disable_caches=True):
+    with recorder.active():
         compiled = torch.compile(model, backend=recorder.backend(options))
 
         def step() -> torch.Tensor:
@@ -240,13 +268,7 @@ def compile_and_read(
             return loss
 
         _, codes = run_and_get_code(step)
-    if len(codes) != len(graphs):
-        raise AssertionError(f"{len(codes)} code modules for {len(graphs)} graphs")
-    for graph, code in zip(graphs, codes, strict=True):
-        graph.code = code
-        check_code(graph)
-        analyse(graph)
-    return graphs
+    return recorder.read(codes)
 
 
 class Chain(nn.Module):
@@ -325,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         graphs = compile_and_read(copy.deepcopy(model), inputs, SLOW_LINK)
         joins = joins_table(graphs)
         result[name] = {"joins": joins, "summary": summary(graphs)}
-        kernels = {g.kind: sum(1 for k in g.kernels if not set(k) & set(g.roles)) for g in graphs}
+        kernels = {g.kind: g.compute_kernels for g in graphs}
         result[name]["compute_kernels"] = kernels
         print(f"== {name}: compute kernels {kernels}")
         print(f"{'tensor':<24}{'planned':>10}  {'generated':>10}  early late")

@@ -117,6 +117,37 @@ def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Nod
     preserve_node_ordering(graph, {node: OrderedSet(after) for node, after in deps.items()})
 
 
+def assume_aligned_outputs(op: Any) -> None:
+    """Let Inductor assume that the tensors ``op`` returns are aligned (once per process).
+
+    Inductor marks every output of a fallback op "assumed to be not aligned" when any tensor
+    argument is unaligned (``FallbackKernel.create``, ``has_unaligned_input``), and a graph
+    input on the CPU, such as a transfer's handle, always is (``should_assume_input_aligned``).
+    The flag spreads to kernels that read the output, which on a GPU then lose vectorised
+    loads. fxckpt's ``wait`` always returns a fresh allocation at offset 0, so its lowering
+    here is Inductor's own fallback with that flag cleared; Inductor then asserts the
+    alignment at run time (``assert_alignment``) instead of assuming the worst.
+    """
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
+    from torch.utils import _pytree as pytree
+
+    if getattr(lowering.lowerings.get(op), "_fxckpt_aligned", False):
+        return
+    fallback = lowering.fallback_handler(op)
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        out = fallback(*args, **kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, ir.IRNode):
+                V.graph.unaligned_buffers.discard(leaf.get_name())
+        return out
+
+    lower._is_fallback_handler = True  # type: ignore[attr-defined]  # as fallback_handler's
+    lower._fxckpt_aligned = True  # type: ignore[attr-defined]
+    lowering.register_lowering(op, type_promotion_kind=None)(lower)
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -144,6 +175,7 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 
 __all__ = [
     "CheckpointPolicy",
+    "assume_aligned_outputs",
     "CustomPartitionerFn",
     "OFFLOAD_POLICIES",
     "RECOMPUTE_POLICIES",

@@ -317,6 +317,7 @@ def _(saved: Sequence[torch.Tensor], plan: str, after: Sequence[torch.Tensor] | 
     return None
 
 
+WAIT = torch.ops.fxckpt.wait.default
 OPS = (
     torch.ops.fxckpt.offload.default,
     torch.ops.fxckpt.offload_done.default,
