@@ -143,14 +143,10 @@ class Recorder:
         ``torch.compile``'s), with the recording inner compiler."""
         from torch._inductor.compile_fx import compile_fx
 
-        from fxckpt._torch_compat import assume_aligned_outputs
-        from fxckpt.backend import FxckptPartitioner, mode_patches
+        from fxckpt.backend import FxckptPartitioner, inductor_patches
         from fxckpt.options import Options
-        from fxckpt.runtime.ops import WAIT
 
-        partitioner = FxckptPartitioner(Options.from_mapping(options))
-        patches = {"custom_partitioner_fn": partitioner, **mode_patches(mode)}
-        assume_aligned_outputs(WAIT)
+        patches = inductor_patches(FxckptPartitioner(Options.from_mapping(options)), mode)
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             return compile_fx(gm, example_inputs, inner_compile=self.inner, config_patches=patches)

@@ -120,11 +120,17 @@ def compile_graph(
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+    return compat.compile_fx(gm, example_inputs, config_patches=inductor_patches(partitioner, mode))
+
+
+def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:
+    """The Inductor settings of one compile: fxckpt's partitioner and ``mode``'s settings.
+    Nothing global changes, except that Inductor learns that ``wait``'s outputs are aligned
+    (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
     from fxckpt.runtime import ops
 
     compat.assume_aligned_outputs(ops.WAIT)
-    patches: dict[str, Any] = {"custom_partitioner_fn": partitioner, **mode_patches(mode)}
-    return compat.compile_fx(gm, example_inputs, config_patches=patches)
+    return {"custom_partitioner_fn": partitioner, **mode_patches(mode)}
 
 
 def mode_patches(mode: str | None) -> dict[str, Any]:
