@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot")
+SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot", "positions", "gpu_cudagraphs")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -42,3 +42,24 @@ def test_gpu_check_without_cuda_exits_0_with_a_message():
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "CUDA is not available" in done.stdout
+
+
+def test_the_cuda_graph_check_finds_an_op_inside_a_partition():
+    from benchmarks.gpu_cudagraphs import ops_inside_partitions, partition_count
+
+    code = """
+def partition_0(args):
+    buf0 = empty_strided_cuda((4,), (1,), torch.float32)
+    return (buf0,)
+
+def partition_1(args):
+    buf1 = torch.ops.fxckpt.offload.default(buf0)
+    return (buf1,)
+
+class Runner:
+    def call(self, args):
+        (buf0,) = self.partitions[0](partition0_args)
+        buf2 = torch.ops.fxckpt.offload_done.default(buf1, buf0)
+"""
+    assert partition_count(code) == 2
+    assert ops_inside_partitions(code) == {"partition_1": ["offload"]}
