@@ -16,6 +16,10 @@ models on the CPU (an 8-layer ``relu(x @ w)`` chain and a 4-block decoder, both 
 is read from Inductor's scheduler as it writes the code (each kernel with the FX nodes it
 computes), and checked against the calls in the code returned by
 ``torch._inductor.utils.run_and_get_code``.
+
+A third case, a larger decoder under ``memory_budget=0.5`` with default options, shows what
+pinning costs: each op is a kernel boundary, so fusions across it are split (compare the
+compute kernel counts with an fxckpt from before pinning; the script runs against one too).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib
 import json
 import re
 import sys
@@ -143,10 +148,15 @@ class Recorder:
         ``torch.compile``'s), with the recording inner compiler."""
         from torch._inductor.compile_fx import compile_fx
 
-        from fxckpt.backend import FxckptPartitioner, inductor_patches
         from fxckpt.options import Options
 
-        patches = inductor_patches(FxckptPartitioner(Options.from_mapping(options)), mode)
+        fxckpt_backend = importlib.import_module("fxckpt.backend")  # the module, not the function
+
+        partitioner = fxckpt_backend.FxckptPartitioner(Options.from_mapping(options))
+        if hasattr(fxckpt_backend, "inductor_patches"):
+            patches = fxckpt_backend.inductor_patches(partitioner, mode)
+        else:  # an fxckpt from before positions were pinned: the "before" of a comparison
+            patches = {"custom_partitioner_fn": partitioner}
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             return compile_fx(gm, example_inputs, inner_compile=self.inner, config_patches=patches)
@@ -299,6 +309,25 @@ def decoder_case() -> tuple[nn.Module, tuple[Any, ...]]:
     return Decoder(cfg), make_batch(cfg, 2, 16, "cpu")
 
 
+BUDGET = {"memory_budget": 0.5, "bandwidth": "25GB/s"}
+
+
+def budget_case() -> tuple[nn.Module, tuple[Any, ...]]:
+    """A decoder sized so that default options offload some tensors under a budget."""
+    from benchmarks.methods import Decoder, DecoderConfig, make_batch
+
+    cfg = DecoderConfig("decoder-4-budget", vocab=256, d=256, heads=4, layers=4, ffn=1024)
+    torch.manual_seed(0)
+    return Decoder(cfg), make_batch(cfg, 2, 512, "cpu")
+
+
+CASES: dict[str, tuple[Callable[[], tuple[nn.Module, tuple[Any, ...]]], dict[str, Any]]] = {
+    "chain": (chain_case, SLOW_LINK),
+    "decoder": (decoder_case, SLOW_LINK),
+    "decoder_budget": (budget_case, BUDGET),
+}
+
+
 def joins_table(graphs: Sequence[Graph]) -> list[dict[str, Any]]:
     rows = []
     for graph in graphs:
@@ -337,12 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"torch": torch.__version__, "options": SLOW_LINK}
-    for name, case in (("chain", chain_case), ("decoder", decoder_case)):
+    result: dict[str, Any] = {"torch": torch.__version__}
+    for name, (case, options) in CASES.items():
         model, inputs = case()
-        graphs = compile_and_read(copy.deepcopy(model), inputs, SLOW_LINK)
+        graphs = compile_and_read(copy.deepcopy(model), inputs, options)
         joins = joins_table(graphs)
-        result[name] = {"joins": joins, "summary": summary(graphs)}
+        result[name] = {"options": options, "joins": joins, "summary": summary(graphs)}
         kernels = {g.kind: g.compute_kernels for g in graphs}
         result[name]["compute_kernels"] = kernels
         print(f"== {name}: compute kernels {kernels}")
