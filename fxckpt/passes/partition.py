@@ -287,7 +287,7 @@ def partition(
     plan.timeline = timeline
     fw, bw = attempt.fw, attempt.bw
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
+        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt), fused=inductor))
         payload = record(plan)
         resident = _resident(fw, attempt)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)

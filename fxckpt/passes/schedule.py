@@ -25,28 +25,102 @@ def place_offloads(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
     offloaded: Sequence[tuple[SavedActivation, int, int]],
+    *,
+    fused: bool = False,
 ) -> list[Placement]:
     """One placement per ``(tensor, d2h_done, prefetch_issue)``; positions as in the simulator
-    (forward positions first, then backward positions offset by the forward's length)."""
+    (forward positions first, then backward positions offset by the forward's length).
+
+    ``fused``: the graphs go to a compiler that fuses runs of pointwise ops and reductions
+    into few kernels (Inductor). A position inside such a run may not exist in the generated
+    code, and pinning an op there would split a kernel in two. So offloads and joins move to
+    the end of the run (the source lives a few short kernels longer), prefetches and waits to
+    its start (the copy is issued, and waited for, a few short kernels sooner).
+    """
     fw_nodes = list(fw.graph.nodes)
     bw_nodes = list(bw.graph.nodes)
     num_forward = len(fw_nodes)
     last_fw = num_forward - 2  # the last node before the output
     first_bw = next(i for i, n in enumerate(bw_nodes) if n.op != "placeholder")
+    fw_runs, bw_runs = (_fusable_runs(nodes) if fused else {} for nodes in (fw_nodes, bw_nodes))
     placements = []
     for a, done, issue in offloaded:
         # The device copy must outlive the last forward use as well as the copy itself.
         done_at = min(max(done, a.last_fw_use, a.produced), last_fw)
         first_use = a.first_bw_use if a.first_bw_use >= 0 else first_bw
         pre_at = min(max(issue - num_forward, first_bw), first_use)
+        offload_at = min(fw_runs.get(a.produced, (a.produced,) * 2)[1], last_fw)
+        done_at = max(min(fw_runs.get(done_at, (done_at,) * 2)[1], last_fw), offload_at)
+        wait_at = max(bw_runs.get(first_use, (first_use,) * 2)[0], first_bw)
+        pre_at = max(min(bw_runs.get(pre_at, (pre_at,) * 2)[0], wait_at), first_bw)
         placements.append(
             Placement(
                 name=a.name,
                 done_after=fw_nodes[done_at].name,
                 prefetch_before=bw_nodes[pre_at].name,
+                offload_after=fw_nodes[offload_at].name if offload_at != a.produced else None,
+                wait_before=bw_nodes[wait_at].name if wait_at != first_use else None,
             )
         )
     return placements
+
+
+def _fusable_runs(nodes: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:
+    """For each position inside a run of pointwise ops and reductions, the positions of the
+    run's first and last op.
+
+    A run is what Inductor fuses into one kernel or a few: compute nodes consecutive among
+    the compute nodes (views and getitems may sit between them), each reading a node of the
+    run or a tensor that a node of the run reads (vertical and horizontal fusion). Matmuls,
+    attention and other extern kernels end a run, and so does an unrelated op; where
+    Inductor splits a run anyway, treating it as one moves an op by a few short kernels.
+    """
+    compute = set()
+    order: list[int] = []
+    for i, n in enumerate(nodes):
+        if _computes(n):
+            compute.add(n)
+            order.append(i)
+    runs: dict[int, tuple[int, int]] = {}
+    k = 0
+    while k < len(order):
+        first = last = order[k]
+        node = nodes[first]
+        if _fusable(node):
+            members = {node}
+            reads = _reach(node, "all_input_nodes", compute) | _inputs(node)
+            while k + 1 < len(order) and _fusable(nxt := nodes[order[k + 1]]):
+                inputs = _reach(nxt, "all_input_nodes", compute) | _inputs(nxt)
+                if not inputs & (members | reads):
+                    break
+                members.add(nxt)
+                reads |= inputs
+                k += 1
+                last = order[k]
+        if last > first:
+            for i in range(first, last + 1):
+                runs[i] = (first, last)
+        k += 1
+    return runs
+
+
+def _inputs(node: fx.Node) -> set[fx.Node]:
+    """The graph inputs ``node`` reads, through views."""
+    found, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            found.add(n)
+        elif n.op == "call_function" and not _computes(n) and meta.ROLE not in n.meta:
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def _fusable(node: fx.Node) -> bool:
+    """A pointwise op or a reduction: what Inductor fuses into one kernel with its
+    neighbours (matmuls, attention and other extern kernels end a run)."""
+    tags = node.target.tags  # type: ignore[union-attr]
+    return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
 
 
 # The ops whose positions the plan fixes: each is a barrier between the compute before it and
@@ -141,7 +215,13 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
     for node in nodes:
         if node.meta.get(meta.ROLE) in _PINNED:
             later = set(since)
-            sinks = [n for n in since if not (_reach(n, "users", compute) & later)]
+            # A node read by a later fxckpt op counts too: Inductor may compute it inline for
+            # its compute users and realize it only for that op, as late as it likes.
+            sinks = [
+                n for n in since
+                if not (_reach(n, "users", compute) & later)
+                or any(meta.ROLE in u.meta and u is not node for u in _reach(n, "users", compute))
+            ]
             after = [last] if last is not None and _tensor_val(last) else []
             after += [out for n in sinks if (out := _output(n)) is not None]
             taken = set(node.all_input_nodes)
