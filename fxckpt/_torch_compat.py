@@ -148,6 +148,27 @@ def assume_aligned_outputs(op: Any) -> None:
     lowering.register_lowering(op, type_promotion_kind=None)(lower)
 
 
+def cache_pinned_graphs() -> dict[str, Any]:
+    """The per-compile Inductor setting that lets the FX graph cache store graphs in which
+    :func:`run_after` wrapped nodes.
+
+    ``control_deps`` is a higher-order op marked not cacheable (``HigherOrderOperator.
+    cacheable``), so without this every compile of a pinned graph bypasses the cache
+    ("Can't cache HigherOrderOperator: control_deps") and a warm process recompiles. The
+    wrapped subgraphs are submodules of the graph module, whose code the cache key hashes,
+    so a cached graph is keyed by what it runs. Adds to the user's own entries.
+    """
+    from torch._inductor import config
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    name = f"{control_deps.__module__}.{control_deps.__name__}"
+    return {
+        "unsafe_marked_cacheable_functions": {
+            **config.unsafe_marked_cacheable_functions, name: torch.__version__
+        }
+    }
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -176,6 +197,7 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 __all__ = [
     "CheckpointPolicy",
     "assume_aligned_outputs",
+    "cache_pinned_graphs",
     "CustomPartitionerFn",
     "OFFLOAD_POLICIES",
     "RECOMPUTE_POLICIES",

@@ -124,13 +124,19 @@ def compile_graph(
 
 
 def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:
-    """The Inductor settings of one compile: fxckpt's partitioner and ``mode``'s settings.
-    Nothing global changes, except that Inductor learns that ``wait``'s outputs are aligned
+    """The Inductor settings of one compile: fxckpt's partitioner, the FX graph cache's
+    permission to store the graphs the partitioner pins
+    (:func:`fxckpt._torch_compat.cache_pinned_graphs`), and ``mode``'s settings. Nothing
+    global changes, except that Inductor learns that ``wait``'s outputs are aligned
     (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
     from fxckpt.runtime import ops
 
     compat.assume_aligned_outputs(ops.WAIT)
-    return {"custom_partitioner_fn": partitioner, **mode_patches(mode)}
+    return {
+        "custom_partitioner_fn": partitioner,
+        **compat.cache_pinned_graphs(),
+        **mode_patches(mode),
+    }
 
 
 def mode_patches(mode: str | None) -> dict[str, Any]:
