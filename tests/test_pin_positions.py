@@ -126,3 +126,27 @@ def forward(self, primals_3, primals_4, tanh_handle, tangents_1):
     view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
     t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
     return (t_8, view_1, None, t_5, view)""")
+
+
+def test_fusable_runs_are_connected_pointwise_ops_and_reductions() -> None:
+    # Positions inside these runs move to their edges under Inductor (place_offloads).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxckpt.passes.schedule import _fusable_runs
+
+    def f(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = x @ w                       # mm: ends any run
+        a = torch.relu(h) * 2           # relu, mul: one run, reading the mm
+        s = a.sum(-1)                   # sum: a reduction of the run joins it
+        u = t + 1                       # reads nothing the run reads: a new run
+        v = u * 3
+        return (s @ w[:1].t(), v)       # fmt: skip
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4))
+    nodes = list(gm.graph.nodes)
+    names = {i: n.name for i, n in enumerate(nodes)}
+    runs = {names[i]: (names[a], names[b]) for i, (a, b) in _fusable_runs(nodes).items()}
+    assert runs == {
+        "relu": ("relu", "sum_1"), "mul": ("relu", "sum_1"), "sum_1": ("relu", "sum_1"),
+        "add": ("add", "mul_1"), "mul_1": ("add", "mul_1"),
+    }  # fmt: skip
