@@ -100,6 +100,75 @@ def min_cut_without_cse(
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
+    """Make each key node of ``graph`` run after the nodes listed for it, in any scheduler.
+
+    Inductor's ``preserve_node_ordering`` (``_inductor/fx_passes/control_dependencies``, in
+    2.11 and 2.13) wraps each key node in the ``control_deps`` higher-order op; lowering turns
+    the listed nodes into ordering-only dependencies of the operations the key node lowers
+    to: they neither extend a buffer's lifetime nor copy anything. Only for graphs Inductor
+    compiles: torch 2.11 has no eager kernel for ``control_deps``. A listed node must lower
+    to a tensor (2.11 drops other dependencies without a word), and a key node must lower to
+    at least one operation of its own (a view or a getitem lowers to none).
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    preserve_node_ordering(graph, {node: OrderedSet(after) for node, after in deps.items()})
+
+
+def assume_aligned_outputs(op: Any) -> None:
+    """Let Inductor assume that the tensors ``op`` returns are aligned (once per process).
+
+    Inductor marks every output of a fallback op "assumed to be not aligned" when any tensor
+    argument is unaligned (``FallbackKernel.create``, ``has_unaligned_input``), and a graph
+    input on the CPU, such as a transfer's handle, always is (``should_assume_input_aligned``).
+    The flag spreads to kernels that read the output, which on a GPU then lose vectorised
+    loads. fxckpt's ``wait`` always returns a fresh allocation at offset 0, so its lowering
+    here is Inductor's own fallback with that flag cleared; Inductor then asserts the
+    alignment at run time (``assert_alignment``) instead of assuming the worst.
+    """
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
+    from torch.utils import _pytree as pytree
+
+    if getattr(lowering.lowerings.get(op), "_fxckpt_aligned", False):
+        return
+    fallback = lowering.fallback_handler(op)
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        out = fallback(*args, **kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, ir.IRNode):
+                V.graph.unaligned_buffers.discard(leaf.get_name())
+        return out
+
+    lower._is_fallback_handler = True  # type: ignore[attr-defined]  # as fallback_handler's
+    lower._fxckpt_aligned = True  # type: ignore[attr-defined]
+    lowering.register_lowering(op, type_promotion_kind=None)(lower)
+
+
+def cache_pinned_graphs() -> dict[str, Any]:
+    """The per-compile Inductor setting that lets the FX graph cache store graphs in which
+    :func:`run_after` wrapped nodes.
+
+    ``control_deps`` is a higher-order op marked not cacheable (``HigherOrderOperator.
+    cacheable``), so without this every compile of a pinned graph bypasses the cache
+    ("Can't cache HigherOrderOperator: control_deps") and a warm process recompiles. The
+    wrapped subgraphs are submodules of the graph module, whose code the cache key hashes,
+    so a cached graph is keyed by what it runs. Adds to the user's own entries.
+    """
+    from torch._inductor import config
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    name = f"{control_deps.__module__}.{control_deps.__name__}"
+    return {
+        "unsafe_marked_cacheable_functions": {
+            **config.unsafe_marked_cacheable_functions, name: torch.__version__
+        }
+    }
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -127,6 +196,8 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 
 __all__ = [
     "CheckpointPolicy",
+    "assume_aligned_outputs",
+    "cache_pinned_graphs",
     "CustomPartitionerFn",
     "OFFLOAD_POLICIES",
     "RECOMPUTE_POLICIES",
@@ -141,6 +212,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
     "register_logging",
+    "run_after",
     "trace_plan_artifact",
 ]
 

@@ -120,12 +120,43 @@ def compile_graph(
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-    patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
-    if mode not in (None, "default"):
-        from torch._inductor import list_mode_options
+    return compat.compile_fx(gm, example_inputs, config_patches=inductor_patches(partitioner, mode))
 
-        patches.update(list_mode_options(mode))
-    return compat.compile_fx(gm, example_inputs, config_patches=patches)
+
+def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:
+    """The Inductor settings of one compile: fxckpt's partitioner, the FX graph cache's
+    permission to store the graphs the partitioner pins
+    (:func:`fxckpt._torch_compat.cache_pinned_graphs`), and ``mode``'s settings. Nothing
+    global changes, except that Inductor learns that ``wait``'s outputs are aligned
+    (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
+    from fxckpt.runtime import ops
+
+    compat.assume_aligned_outputs(ops.WAIT)
+    return {
+        "custom_partitioner_fn": partitioner,
+        **compat.cache_pinned_graphs(),
+        **mode_patches(mode),
+    }
+
+
+def mode_patches(mode: str | None) -> dict[str, Any]:
+    """The Inductor settings ``torch.compile``'s ``mode`` stands for.
+
+    The CUDA-graph modes (``"reduce-overhead"``, ``"max-autotune"``) need nothing more:
+    fxckpt's ops are tagged ``cudagraph_unsafe``, so Inductor's graph partitioning captures
+    the compute between them and runs the ops themselves outside any CUDA graph (a replayed
+    copy would refill a host buffer the pool has handed on). With partitioning turned off
+    (``TORCHINDUCTOR_GRAPH_PARTITION=0``), Inductor instead runs a graph that holds one of
+    the ops without CUDA graphs, and logs why.
+    """
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise OptionsError("mode", mode, "one of " + ", ".join(repr(m) for m in modes))
+    return dict(modes[mode])
 
 
 def fxckpt_backend(

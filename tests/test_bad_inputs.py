@@ -229,6 +229,17 @@ def test_a_mode_with_the_eager_compiler_is_refused() -> None:
     assert "compiler='eager'" in str(inner)
 
 
+def test_an_unknown_mode_is_refused_with_the_modes_there_are() -> None:
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(lambda t: t.sin().sum(), backend=fxckpt.backend(), mode="reduce_overhead")(x)
+    inner = _inner(info.value)
+    assert isinstance(inner, OptionsError) and inner.option == "mode"
+    assert inner.value == "reduce_overhead"
+    assert "'reduce-overhead'" in inner.accepted and "'max-autotune'" in inner.accepted
+
+
 @pytest.mark.parametrize(
     ("env", "name"),
     [('{"segment_stride": -1}', "segment_stride"), ("{not json", "FXCKPT_OPTIONS"),

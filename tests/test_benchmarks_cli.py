@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot")
+SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot", "positions", "gpu_cudagraphs")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -25,3 +25,32 @@ def test_gpu_check_rows_exist_in_the_shared_row_set():
     from benchmarks.methods import BASELINE_SPECS
 
     assert set(gpu_check.TABLE_ROWS) <= {s.name for s in BASELINE_SPECS}
+
+
+def test_the_cuda_graph_check_finds_an_op_inside_a_partition():
+    from benchmarks.gpu_cudagraphs import ops_inside_partitions, partition_count
+
+    code = """
+def partition_0(args):
+    buf0 = empty_strided_cuda((4,), (1,), torch.float32)
+    return (buf0,)
+
+def partition_1(args):
+    buf1 = torch.ops.fxckpt.offload.default(buf0)
+    return (buf1,)
+
+class Runner:
+    def call(self, args):
+        (buf0,) = self.partitions[0](partition0_args)
+        buf2 = torch.ops.fxckpt.offload_done.default(buf1, buf0)
+"""
+    assert partition_count(code) == 2
+    assert ops_inside_partitions(code) == {"partition_1": ["offload"]}
+
+
+def test_the_cuda_graph_check_is_wired_into_gpu_check_and_skips_the_eager_compiler():
+    from benchmarks import gpu_check, gpu_cudagraphs
+
+    assert any(name == "cudagraphs" for name, *_ in gpu_check.CHECKS)
+    # CUDA graphs exist only under Inductor: nothing to run, nothing failed.
+    assert gpu_cudagraphs.run_cudagraph_checks("cpu", compiler="eager") == []

@@ -35,12 +35,16 @@ class Placement:
     """Where the ops for one offloaded tensor go.
 
     ``done_after`` names the forward node after which ``offload_done`` runs, and
-    ``prefetch_before`` the backward node before which ``prefetch`` is issued.
+    ``prefetch_before`` the backward node before which ``prefetch`` is issued. The offload
+    runs after ``offload_after`` (default: the tensor's producer) and the wait before
+    ``wait_before`` (default: its first use in the backward).
     """
 
     name: str
     done_after: str
     prefetch_before: str
+    offload_after: str | None = None
+    wait_before: str | None = None
 
 
 def _handle_val(like: torch.Tensor) -> torch.Tensor:
@@ -49,6 +53,14 @@ def _handle_val(like: torch.Tensor) -> torch.Tensor:
         return torch.empty((), dtype=torch.int64)
     with fake_mode:
         return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+def _token_val(like: torch.Tensor) -> torch.Tensor:
+    fake_mode = getattr(like, "fake_mode", None)
+    if fake_mode is None:
+        return torch.empty(0, dtype=torch.uint8)
+    with fake_mode:
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def _empty_val(gm: fx.GraphModule, device: torch.device) -> torch.Tensor:
@@ -150,24 +162,26 @@ def insert_offloads(
     for p in placements:
         src = fw_nodes[p.name]
         val = src.meta["val"]
-        with fw.graph.inserting_after(src):
+        with fw.graph.inserting_after(fw_nodes[p.offload_after or p.name]):
             # The backward placeholder takes the same name, as for any saved tensor.
             handle = fw.graph.create_node(
                 "call_function", OFFLOAD, (src,), name=f"{p.name}_handle"
             )
         handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
         done_after = fw_nodes[p.done_after]
-        anchor = handle if done_after is src else done_after
+        anchor = handle if done_after.name in (p.name, p.offload_after) else done_after
         with fw.graph.inserting_after(anchor):
             done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
-        done.meta.update({meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name})
+        done.meta.update(
+            {"val": _token_val(val), meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name}
+        )
         outputs[outputs.index(src)] = handle
 
         ph = bw_nodes[p.name]
         with bw.graph.inserting_before(ph):
             new_ph = bw.graph.placeholder(handle.name)
         new_ph.meta.update({"val": handle.meta["val"], meta.SOURCE: p.name})
-        first_use = min(ph.users, key=bw_position.__getitem__)
+        first_use = bw_nodes[p.wait_before] if p.wait_before else min(ph.users, key=bw_position.__getitem__)
         before = bw_nodes[p.prefetch_before]
         with bw.graph.inserting_before(before):
             pre = bw.graph.call_function(PREFETCH, (new_ph,))

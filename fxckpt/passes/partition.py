@@ -60,7 +60,7 @@ from fxckpt.passes.budget import (
     user_offload_requests,
 )
 from fxckpt.passes.offload import insert_note, insert_offloads
-from fxckpt.passes.schedule import place_offloads
+from fxckpt.passes.schedule import pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
@@ -287,10 +287,13 @@ def partition(
     plan.timeline = timeline
     fw, bw = attempt.fw, attempt.bw
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
+        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt), fused=inductor))
         payload = record(plan)
         resident = _resident(fw, attempt)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
+    if inductor:
+        with step(graph_name, "pin positions"):
+            fw, bw = pin_positions(fw), pin_positions(bw)
     _log_plan(plan)
     return fw, bw
 

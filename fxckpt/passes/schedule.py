@@ -9,10 +9,14 @@ names, so the graph runs the schedule the plan's figures describe.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
+from fxckpt._torch_compat import run_after
+from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.passes.offload import Placement
 
@@ -21,25 +25,219 @@ def place_offloads(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
     offloaded: Sequence[tuple[SavedActivation, int, int]],
+    *,
+    fused: bool = False,
 ) -> list[Placement]:
     """One placement per ``(tensor, d2h_done, prefetch_issue)``; positions as in the simulator
-    (forward positions first, then backward positions offset by the forward's length)."""
+    (forward positions first, then backward positions offset by the forward's length).
+
+    ``fused``: the graphs go to a compiler that fuses runs of pointwise ops and reductions
+    into few kernels (Inductor). A position inside such a run may not exist in the generated
+    code, and pinning an op there would split a kernel in two. So offloads and joins move to
+    the end of the run (the source lives a few short kernels longer), prefetches and waits to
+    its start (the copy is issued, and waited for, a few short kernels sooner).
+    """
     fw_nodes = list(fw.graph.nodes)
     bw_nodes = list(bw.graph.nodes)
     num_forward = len(fw_nodes)
     last_fw = num_forward - 2  # the last node before the output
     first_bw = next(i for i, n in enumerate(bw_nodes) if n.op != "placeholder")
+    fw_runs, bw_runs = (_fusable_runs(nodes) if fused else {} for nodes in (fw_nodes, bw_nodes))
     placements = []
     for a, done, issue in offloaded:
         # The device copy must outlive the last forward use as well as the copy itself.
         done_at = min(max(done, a.last_fw_use, a.produced), last_fw)
         first_use = a.first_bw_use if a.first_bw_use >= 0 else first_bw
         pre_at = min(max(issue - num_forward, first_bw), first_use)
+        offload_at = min(fw_runs.get(a.produced, (a.produced,) * 2)[1], last_fw)
+        done_at = max(min(fw_runs.get(done_at, (done_at,) * 2)[1], last_fw), offload_at)
+        wait_at = max(bw_runs.get(first_use, (first_use,) * 2)[0], first_bw)
+        pre_at = max(min(bw_runs.get(pre_at, (pre_at,) * 2)[0], wait_at), first_bw)
         placements.append(
             Placement(
                 name=a.name,
                 done_after=fw_nodes[done_at].name,
                 prefetch_before=bw_nodes[pre_at].name,
+                offload_after=fw_nodes[offload_at].name if offload_at != a.produced else None,
+                wait_before=bw_nodes[wait_at].name if wait_at != first_use else None,
             )
         )
     return placements
+
+
+def _fusable_runs(nodes: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:
+    """For each position inside a run of pointwise ops and reductions, the positions of the
+    run's first and last op.
+
+    A run is what Inductor fuses into one kernel or a few: compute nodes consecutive among
+    the compute nodes (views and getitems may sit between them), each reading a node of the
+    run or a tensor that a node of the run reads (vertical and horizontal fusion). Matmuls,
+    attention and other extern kernels end a run, and so does an unrelated op; where
+    Inductor splits a run anyway, treating it as one moves an op by a few short kernels.
+    """
+    compute = set()
+    order: list[int] = []
+    for i, n in enumerate(nodes):
+        if _computes(n):
+            compute.add(n)
+            order.append(i)
+    runs: dict[int, tuple[int, int]] = {}
+    k = 0
+    while k < len(order):
+        first = last = order[k]
+        node = nodes[first]
+        if _fusable(node):
+            members = {node}
+            reads = _reach(node, "all_input_nodes", compute) | _inputs(node)
+            while k + 1 < len(order) and _fusable(nxt := nodes[order[k + 1]]):
+                inputs = _reach(nxt, "all_input_nodes", compute) | _inputs(nxt)
+                if not inputs & (members | reads):
+                    break
+                members.add(nxt)
+                reads |= inputs
+                k += 1
+                last = order[k]
+        if last > first:
+            for i in range(first, last + 1):
+                runs[i] = (first, last)
+        k += 1
+    return runs
+
+
+def _inputs(node: fx.Node) -> set[fx.Node]:
+    """The graph inputs ``node`` reads, through views."""
+    found, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            found.add(n)
+        elif n.op == "call_function" and not _computes(n) and meta.ROLE not in n.meta:
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def _fusable(node: fx.Node) -> bool:
+    """A pointwise op or a reduction: what Inductor fuses into one kernel with its
+    neighbours (matmuls, attention and other extern kernels end a run)."""
+    tags = node.target.tags  # type: ignore[union-attr]
+    return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
+
+
+# The ops whose positions the plan fixes: each is a barrier between the compute before it and
+# the compute after it in FX order.
+_PINNED = (
+    meta.ROLE_OFFLOAD, meta.ROLE_OFFLOAD_DONE, meta.ROLE_PREFETCH, meta.ROLE_WAIT, meta.ROLE_NOTE
+)
+
+
+def _tensor_val(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _output(node: fx.Node) -> fx.Node | None:
+    """A tensor ``node`` produces, as a node ordered right after it: the node itself, or a
+    getitem of its first tensor result (made here when the graph reads it only later)."""
+    if _tensor_val(node):
+        return node
+    vals = node.meta.get("val") or ()
+    first = next((i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)), None)
+    if first is None:
+        return None
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == first and user.prev is node:
+            return user
+    with node.graph.inserting_after(node):
+        item = node.graph.call_function(operator.getitem, (node, first))
+    item.meta["val"] = vals[first]
+    return item
+
+
+def _computes(node: fx.Node) -> bool:
+    """A node that lowers to kernels of its own: an aten op that is not a view, reads a
+    tensor and returns tensors. Views, getitems, SymInt arithmetic and fxckpt's own ops
+    lower to no kernel of their own, and an op reading no tensor (``full``, ``arange``)
+    Inductor inlines into its users; none of them can carry an ordering dependency."""
+    target = node.target
+    val = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and not target.is_view
+        and meta.ROLE not in node.meta
+        and (isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and len(val) > 0))
+        and any(_tensor_val(a) for a in node.all_input_nodes)
+    )
+
+
+def _reach(node: fx.Node, step: str, compute: set[fx.Node]) -> set[fx.Node]:
+    """The compute nodes next to ``node`` through ``step`` ("users" or "all_input_nodes"),
+    looking through the nodes that compute nothing (views, getitems)."""
+    found: set[fx.Node] = set()
+    todo = list(getattr(node, step))
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in compute or meta.ROLE in n.meta:
+            found.add(n)
+        elif n.op == "call_function":
+            todo.extend(getattr(n, step))
+    return found
+
+
+def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
+    """After this pass, every fxckpt op of ``gm`` runs after all compute that precedes it in
+    FX order and before all compute that follows it, in whatever order a scheduler prefers
+    to run the rest.
+
+    Inductor reorders freely within data dependencies: ``reorder_for_peak_memory`` moves a
+    join next to the last use of its source and hoists a prefetch to the top, and work that
+    depends only on the inputs runs wherever it lowers peak memory. So each op is pinned
+    from both sides, with dependencies no scheduler may break:
+
+    - not earlier: the op's ``after`` argument takes the previous op's output and every
+      compute node since that op with no compute user before this one (the only ones not
+      already ordered before it through the others);
+    - not later: each compute node that follows the op without depending on it or on later
+      compute is made to depend on the op's output, through Inductor's ``control_deps``
+      (:func:`fxckpt._torch_compat.run_after`).
+
+    So consecutive ops form a chain and compute between two of them stays between them. A
+    fusion across an op is no longer possible: the op's position is a kernel boundary.
+    """
+    nodes = list(gm.graph.nodes)
+    compute = {n for n in nodes if _computes(n)}
+    last: fx.Node | None = None  # the last pinned op so far
+    since: list[fx.Node] = []  # compute nodes after it, in order
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if node.meta.get(meta.ROLE) in _PINNED:
+            later = set(since)
+            sinks = [n for n in since if not (_reach(n, "users", compute) & later)]
+            after = [last] if last is not None and _tensor_val(last) else []
+            after += [out for n in sinks if (out := _output(n)) is not None]
+            taken = set(node.all_input_nodes)
+            _set_after(node, [a for a in after if a not in taken])
+            last, since = node, []
+        elif node in compute:
+            if last is not None and not (_reach(node, "all_input_nodes", compute) & {last, *since}):
+                deps[node] = [last]  # depends only on what ran before `last`: pin it after
+            since.append(node)
+    if deps:
+        run_after(gm.graph, deps)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _set_after(node: fx.Node, after: list[fx.Node]) -> None:
+    """Fill the ``after`` argument of a fxckpt op (the last one of each schema)."""
+    if not after:
+        return
+    schema = node.target._schema  # type: ignore[union-attr]
+    names = [a.name for a in schema.arguments]
+    args = list(node.args) + [None] * (len(names) - len(node.args))
+    args[names.index("after")] = after
+    node.args = tuple(args)

@@ -65,9 +65,25 @@ def _lookup(handle: torch.Tensor) -> Transfer:
     return rec
 
 
-@torch.library.custom_op("fxckpt::offload", mutates_args=(), schema="(Tensor src) -> Tensor")
-def offload(src: torch.Tensor) -> torch.Tensor:
-    """Start copying ``src`` to host memory; returns the handle that names the copy."""
+# Every op is tagged cudagraph_unsafe: Inductor's graph partitioning (torch >= 2.11) then runs
+# it between captured regions, never inside one, and without partitioning skips CUDA graphs
+# for a graph holding one. Replaying a captured copy would refill a pool buffer that was
+# handed to another tensor since, under a handle that no longer names the transfer.
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op(
+    "fxckpt::offload",
+    mutates_args=(),
+    schema="(Tensor src, Tensor[]? after=None) -> Tensor",
+    tags=_UNSAFE,
+)
+def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Start copying ``src`` to host memory; returns the handle that names the copy.
+
+    ``after``, here and in every op below: tensors the op must run after, for ordering only
+    (see :func:`fxckpt.passes.schedule.pin_positions`); the op does not read them.
+    """
     if src.layout != torch.strided:
         raise RuntimeCopyError(f"fxckpt::offload needs a strided tensor, got {src.layout}")
     span = _span(src)
@@ -116,30 +132,44 @@ def offload(src: torch.Tensor) -> torch.Tensor:
 
 
 @offload.register_fake
-def _(src: torch.Tensor) -> torch.Tensor:
+def _(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _token() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
 @torch.library.custom_op(
-    "fxckpt::offload_done", mutates_args=(), schema="(Tensor handle, Tensor keepalive) -> ()"
+    "fxckpt::offload_done",
+    mutates_args=(),
+    schema="(Tensor handle, Tensor keepalive, Tensor[]? after=None) -> Tensor",
+    tags=_UNSAFE,
 )
-def offload_done(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
-    """Make compute wait until the handle's device-to-host copy is done.
+def offload_done(
+    handle: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Make compute wait until the handle's device-to-host copy is done (the join).
 
     ``keepalive`` is the source tensor: as an argument of a side-effecting op it stops
     Inductor from reusing the source's buffer in place before the copy has read it.
+    ``after`` holds the output of the node the plan put the join after: the data dependency
+    keeps any scheduler from running the join earlier. The returned token (an empty CPU
+    tensor) is what the node after the join depends on, which keeps it from running later.
     """
     rec = _lookup(handle)
-    if rec.host is None:
-        return
-    stalled = get_engine(rec.device).finish_offload(rec)
-    if stalled:
-        stats.add("stall_seconds", stalled)
+    if rec.host is not None:
+        stalled = get_engine(rec.device).finish_offload(rec)
+        if stalled:
+            stats.add("stall_seconds", stalled)
+    return _token()
 
 
 @offload_done.register_fake
-def _(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
-    return None
+def _(
+    handle: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def _prefetch(rec: Transfer) -> None:
@@ -149,13 +179,19 @@ def _prefetch(rec: Transfer) -> None:
     stats.add("prefetched_bytes", rec.nbytes)
 
 
-@torch.library.custom_op("fxckpt::prefetch", mutates_args=(), schema="(Tensor handle) -> Tensor")
-def prefetch(handle: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op(
+    "fxckpt::prefetch",
+    mutates_args=(),
+    schema="(Tensor handle, Tensor[]? after=None) -> Tensor",
+    tags=_UNSAFE,
+)
+def prefetch(handle: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Allocate the device buffer and start copying the handle's bytes into it (idempotent).
 
-    Returns a ticket naming the same transfer. The graph passes the ticket, not the handle,
-    to ``wait``: that data dependency is what stops Inductor's scheduler from moving the
-    prefetch after the wait (both would otherwise depend only on the handle).
+    Returns a ticket naming the same transfer. The graph passes the ticket to ``wait``: that
+    data dependency is what stops Inductor's scheduler from moving the prefetch after the
+    wait (both would otherwise depend only on the handle). ``after``: outputs of the node the
+    plan issues the prefetch after, so that it is not issued earlier.
     """
     rec = _lookup(handle)
     _prefetch(rec)
@@ -163,7 +199,7 @@ def prefetch(handle: torch.Tensor) -> torch.Tensor:
 
 
 @prefetch.register_fake
-def _(handle: torch.Tensor) -> torch.Tensor:
+def _(handle: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -184,7 +220,9 @@ def _same_layout(size: tuple[int, ...], stride: tuple[int, ...], rec: Transfer) 
 @torch.library.custom_op(
     "fxckpt::wait",
     mutates_args=(),
-    schema="(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor",
+    schema="(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
+    "Device device, Tensor[]? after=None) -> Tensor",
+    tags=_UNSAFE,
 )
 def wait(
     handle: torch.Tensor,
@@ -193,12 +231,18 @@ def wait(
     stride: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
+    after: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The offloaded tensor, back on the device, with exactly ``size`` and ``stride``.
 
     ``ticket`` is what ``prefetch`` returned (or the handle itself): taking it orders the
     prefetch first. Taking the handle too keeps the transfer alive until here, because
-    AOTAutograd hands the backward its saved tensors without holding them itself.
+    AOTAutograd hands the backward its saved tensors without holding them itself. ``after``:
+    outputs of the node before the first use, so that compute does not wait for the copy
+    earlier than it must.
+
+    The result is always a fresh allocation (offset 0), so it is as aligned as any buffer
+    the allocator returns; Inductor is told it may assume so (``_torch_compat``).
 
     Each call yields a fresh buffer and the host copy stays until the handle dies, so a
     backward run twice (retain_graph=True) restores twice.
@@ -239,15 +283,23 @@ def _(
     stride: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
+    after: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 @torch.library.custom_op(
-    "fxckpt::note_saved", mutates_args=(), schema="(Tensor[] saved, str plan) -> ()"
+    "fxckpt::note_saved",
+    mutates_args=(),
+    schema="(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
+    tags=_UNSAFE,
 )
-def note_saved(saved: Sequence[torch.Tensor], plan: str) -> None:
-    """Record the bytes a forward left resident for backward, and the plan it ran."""
+def note_saved(saved: Sequence[torch.Tensor], plan: str, after: Sequence[torch.Tensor] | None = None) -> None:
+    """Record the bytes a forward left resident for backward, and the plan it ran.
+
+    ``after``: the forward's last compute output and every join's token, so that the note
+    runs once this step's copies are joined, at the end of the forward.
+    """
     seen: set[tuple[torch.device, int]] = set()
     total = 0
     for t in saved:
@@ -261,10 +313,11 @@ def note_saved(saved: Sequence[torch.Tensor], plan: str) -> None:
 
 
 @note_saved.register_fake
-def _(saved: Sequence[torch.Tensor], plan: str) -> None:
+def _(saved: Sequence[torch.Tensor], plan: str, after: Sequence[torch.Tensor] | None = None) -> None:
     return None
 
 
+WAIT = torch.ops.fxckpt.wait.default
 OPS = (
     torch.ops.fxckpt.offload.default,
     torch.ops.fxckpt.offload_done.default,
@@ -272,7 +325,7 @@ OPS = (
     torch.ops.fxckpt.wait.default,
     torch.ops.fxckpt.note_saved.default,
 )
-# FX dead-code elimination and Inductor's scheduler both drop unused pure ops, and
-# offload_done / prefetch / note_saved have no used outputs at all (TORCH_NOTES.md).
+# FX dead-code elimination and Inductor's scheduler both drop unused pure ops, and the
+# outputs of offload_done / prefetch / note_saved may go unused (TORCH_NOTES.md).
 for _op in OPS:
     torch.fx.node.has_side_effect(_op)

@@ -51,13 +51,20 @@ CASES = {
 
 def test_schemas_are_the_contract():
     assert [str(op._schema) for op in ops.OPS] == [
-        "fxckpt::offload(Tensor src) -> Tensor",
-        "fxckpt::offload_done(Tensor handle, Tensor keepalive) -> ()",
-        "fxckpt::prefetch(Tensor handle) -> Tensor",
+        "fxckpt::offload(Tensor src, Tensor[]? after=None) -> Tensor",
+        "fxckpt::offload_done(Tensor handle, Tensor keepalive, Tensor[]? after=None) -> Tensor",
+        "fxckpt::prefetch(Tensor handle, Tensor[]? after=None) -> Tensor",
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
-        "Device device) -> Tensor",
-        "fxckpt::note_saved(Tensor[] saved, str plan) -> ()",
+        "Device device, Tensor[]? after=None) -> Tensor",
+        "fxckpt::note_saved(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
     ]
+
+
+def test_every_op_runs_outside_cuda_graphs():
+    # Inductor's graph partitioning keeps ops with this tag out of captured regions (and,
+    # without partitioning, does not capture a graph that holds one): utils.py
+    # is_cudagraph_unsafe_fx_node in torch 2.11 and 2.13.
+    assert all(torch.Tag.cudagraph_unsafe in op.tags for op in ops.OPS)
 
 
 def test_dead_code_elimination_keeps_every_op():
