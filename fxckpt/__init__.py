@@ -22,6 +22,7 @@ from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyErr
 # Bound after the submodule loads, like backend: fxckpt.inspect is the function (offline planning).
 from fxckpt.inspect import inspect  # noqa: E402
 from fxckpt.integrations import register_with_accelerate
+from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
@@ -53,6 +54,8 @@ __all__ = [
     "BudgetError",
     "FxckptError",
     "Keep",
+    "Measurement",
+    "Meter",
     "Offload",
     "Options",
     "OptionsError",
@@ -64,6 +67,7 @@ __all__ = [
     "backend",
     "inspect",
     "last_plans",
+    "measure",
     "register_with_accelerate",
     "reset_stats",
     "stats",

@@ -69,6 +69,9 @@ class HostPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
         self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
+        # Addresses of the buffers this pool holds, so a memory meter can tell host buffers
+        # from device tensors where both are CPU memory.
+        self.ptrs: set[int] = set()
         # The process-wide pool_bytes counts this pool's buffers until the pool itself dies.
         weakref.finalize(self, _forget, self._held).atexit = False
 
@@ -124,6 +127,8 @@ class HostPool:
         with self._lock:
             self._absorb_returned()
             freed = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            for bufs in self._free.values():
+                self.ptrs.difference_update(b.data_ptr() for b in bufs)
             self._free.clear()
             self._shrink(freed)
             return freed
@@ -161,7 +166,7 @@ class HostPool:
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and too_big():
-                bufs.pop()
+                self.ptrs.discard(bufs.pop().data_ptr())
                 self._shrink(size)
 
     def _allocate(self, cls: int) -> torch.Tensor:
@@ -171,6 +176,7 @@ class HostPool:
             kind = "pinned" if self.pinned else "host"
             raise PoolExhausted(f"allocating {cls} bytes of {kind} memory failed: {err}") from err
         self._held[0] += cls
+        self.ptrs.add(buf.data_ptr())
         stats.add("host_allocations", 1)
         stats.pool_resized(cls)
         return buf
@@ -202,6 +208,12 @@ def get_pool(device_type: str) -> HostPool:
             pool = HostPool(pinned=device_type == "cuda", max_bytes=_cap)
             _pools[device_type] = pool
         return pool
+
+
+def host_buffer_ptrs(device_type: str) -> set[int]:
+    """Addresses of the host buffers the pool for ``device_type`` holds (empty if none)."""
+    pool = _pools.get(device_type)
+    return set(pool.ptrs) if pool is not None else set()
 
 
 def set_pool_cap(max_bytes: int | None) -> None:
