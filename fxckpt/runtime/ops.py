@@ -82,7 +82,6 @@ def offload(src: torch.Tensor) -> torch.Tensor:
         span=span,
         nbytes=span * src.element_size(),
     )
-    copied = 0
     if rec.nbytes:
         # The whole span, from storage_offset on, as it lies in memory: one contiguous copy
         # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
@@ -91,8 +90,8 @@ def offload(src: torch.Tensor) -> torch.Tensor:
         try:
             host = get_pool(src.device.type).acquire(rec.nbytes)
         except PoolExhausted as why:
-            warn_fallback(str(why))
-            stats.add("fallbacks", 1)
+            warn_fallback(str(why), rec.describe())
+            stats.record_fallback(rec.nbytes)
             rec.kept = span_t
         else:
             rec.host = host
@@ -106,8 +105,9 @@ def offload(src: torch.Tensor) -> torch.Tensor:
                 raise RuntimeCopyError(
                     f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
                 ) from err
-            copied = rec.nbytes
-    stats.record_offload(copied)
+            stats.record_offload(rec.nbytes)
+    else:
+        stats.record_offload(0)
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
     _records[rec.hid] = rec
@@ -247,17 +247,20 @@ def _(
     "fxckpt::note_saved", mutates_args=(), schema="(Tensor[] saved, str plan) -> ()"
 )
 def note_saved(saved: Sequence[torch.Tensor], plan: str) -> None:
-    """Record the bytes a forward left resident for backward, and the plan it ran."""
+    """Record, for the graph whose plan this is, the bytes of the saved tensors its plan keeps
+    on the device (counted on the real tensors, each storage once), and the plan itself."""
     seen: set[tuple[torch.device, int]] = set()
     total = 0
+    largest: torch.Tensor | None = None
     for t in saved:
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
-    stats.set_resident_saved_bytes(total)
-    stats.add_plan_payload(plan)
+            if largest is None or storage.nbytes() > largest.untyped_storage().nbytes():
+                largest = t
+    stats.note_forward(plan, total, list(largest.shape) if largest is not None else None)
 
 
 @note_saved.register_fake

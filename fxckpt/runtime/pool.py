@@ -228,17 +228,18 @@ def set_pool_cap(max_bytes: int | None) -> None:
             pool.set_cap(max_bytes)
 
 
-def warn_fallback(reason: str) -> None:
-    """Warn, once per :func:`set_pool_cap`, that an activation stays on the device."""
+def warn_fallback(reason: str, what: str) -> None:
+    """Warn, once per :func:`set_pool_cap`, that an activation (``what``) stays on the device."""
     global _warned
     with _pools_lock:
         first, _warned = not _warned, True
     if not first:
         return
     warnings.warn(
-        f"fxckpt: an activation chosen for offload stays on the device because {reason}. "
-        "Results are unaffected, but device memory is higher than planned; raise "
-        "pinned_pool_bytes or lower the offload volume. (Warned once.)",
+        f"fxckpt: an activation chosen for offload, {what}, stays on the device because "
+        f"{reason}. Results are unaffected, but device memory is higher than planned; raise "
+        "pinned_pool_bytes or lower the offload volume. fxckpt.stats() counts every such "
+        "tensor in 'fallbacks' and its bytes in 'fallback_bytes'. (Warned once.)",
         HostMemoryWarning,
         stacklevel=4,
     )
