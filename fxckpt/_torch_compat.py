@@ -200,6 +200,40 @@ __all__ = [
 ]
 
 
+def symbol_hints(shape_env: Any) -> dict[Any, Any]:
+    """Each backed size symbol's value in the call being compiled."""
+    # backed_var_to_val in 2.13 (var_to_val is its deprecated alias); var_to_val in 2.11.
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return dict(values if values is not None else shape_env.var_to_val)
+
+
+def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
+    """The largest value dynamo allows ``symbol`` (``mark_dynamic``'s max, or a range it
+    derived), or None where it is unbounded."""
+    import sympy
+
+    vr = shape_env.var_to_range.get(symbol)
+    upper = getattr(vr, "upper", None)
+    # Unbounded is torch's int_oo, which calls itself finite but is no sympy.Integer.
+    return int(upper) if isinstance(upper, sympy.Integer) else None
+
+
+def symbol_source(shape_env: Any, symbol: Any) -> str:
+    """The input dimension a size symbol stands for, as dynamo names it (``L['x'].size()[1]``)."""
+    sources = getattr(shape_env, "var_to_sources", {}).get(symbol)
+    if not sources:
+        return str(symbol)
+    name = sources[0].name  # a property in 2.13, a method before
+    return str(name() if callable(name) else name)
+
+
+def free_unbacked(expr: Any) -> bool:
+    """Whether ``expr`` has data-dependent (unbacked) symbols, which no guard can test."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(expr))
+
+
 def size_hint(value: Any, fallback: int) -> int:
     """An int for a possibly symbolic size, without installing a guard."""
     if not isinstance(value, torch.SymInt):
