@@ -7,8 +7,9 @@ against, so it must not share their mistakes.
 - **CPU.** torch's CPU allocator keeps no counters Python can read; it reports every
   allocation and free to the profiler while memory profiling is on. The meter records those
   reports, and only those (no op events), for the calling thread, and pairs frees with
-  allocations by address. On the CPU, fxckpt's host pool lives in the same memory as the
-  "device": its buffers are host memory, so the meter leaves them out (by address).
+  allocations by address. On the CPU, fxckpt's host memory (the pool's buffers and the
+  offload handles) lives in the same memory as the "device"; on a GPU it would be host
+  memory, so the meter leaves it out, by address.
 - **CUDA.** ``torch.cuda.memory_allocated`` before and after the call, and
   ``max_memory_allocated`` over it, with the peak reset at the start. Host memory, pinned or
   not, is not in those figures.
@@ -109,11 +110,13 @@ class CudaCounters:
         return int(torch.cuda.max_memory_allocated(device))
 
 
-def _host_pool_ptrs() -> set[int]:
-    # The runtime's pools, not its counters or plans: which addresses are host buffers.
+def _host_ptrs() -> set[int]:
+    # From the runtime, not its counters or plans: which addresses are fxckpt's host memory
+    # (pool buffers, offload handles), which on a GPU would not be device memory at all.
+    from fxckpt.runtime.ops import handle_ptrs
     from fxckpt.runtime.pool import host_buffer_ptrs
 
-    return host_buffer_ptrs("cpu")
+    return host_buffer_ptrs("cpu") | handle_ptrs()
 
 
 def _output_bytes(output: Any, device: torch.device, live: dict[int, int] | None) -> int:
@@ -183,7 +186,7 @@ class Meter:
             events = compat.stop_memory_events()
             if kind is not None:
                 return
-            live, peak = net_allocations(events, "cpu", _host_pool_ptrs())
+            live, peak = net_allocations(events, "cpu", _host_ptrs())
             resident = sum(live.values())
             out = _output_bytes(self._output, self.device, live)
             source = CPU_SOURCE

@@ -24,6 +24,9 @@ from fxckpt.runtime.engine import Transfer, get_engine
 from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
 
 _records: dict[int, Transfer] = {}
+# Handle id -> address of its handle tensor. Handles are host memory (an explicit CPU tensor
+# even when the source is on a GPU); a memory meter on the CPU leaves them out by address.
+_handle_ptrs: dict[int, int] = {}
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()  # next() on a count is only atomic while there is a GIL
 
@@ -40,9 +43,15 @@ def _span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
+def handle_ptrs() -> set[int]:
+    """Addresses of the live handle tensors."""
+    return set(_handle_ptrs.values())
+
+
 def _release(hid: int) -> None:
     # Runs from weakref.finalize: possibly inside the garbage collector, on any thread. It
     # takes no lock that ops hold (dict.pop is atomic, HostPool.release is lock-free).
+    _handle_ptrs.pop(hid, None)
     rec = _records.pop(hid, None)
     if rec is None:
         return
@@ -111,6 +120,7 @@ def offload(src: torch.Tensor) -> torch.Tensor:
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
     _records[rec.hid] = rec
+    _handle_ptrs[rec.hid] = handle.data_ptr()
     weakref.finalize(handle, _release, rec.hid).atexit = False
     return handle
 
