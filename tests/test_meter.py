@@ -32,11 +32,11 @@ def _profiler_net_and_peak(fn) -> tuple[int, int]:
     return now, peak
 
 
-def test_cpu_meter_agrees_with_the_profilers_memory_events_on_a_compiled_forward() -> None:
+@pytest.mark.parametrize("offload", ["never", "all"])
+def test_cpu_meter_agrees_with_the_profilers_memory_events_on_a_compiled_forward(offload: str) -> None:
     torch.manual_seed(0)
-    model = torch.compile(
-        GPT(n_layers=2), backend=fxckpt.backend(compiler="eager", memory_budget=0.5, min_offload_bytes=0)
-    )
+    backend = fxckpt.backend(compiler="eager", memory_budget=0.5, offload=offload, min_offload_bytes=0)
+    model = torch.compile(GPT(n_layers=2), backend=backend)
     idx, tgt = gpt_inputs(seq=32)
     model(idx, tgt).backward()  # compile, fill the host pool
     model(idx, tgt).backward()
@@ -49,10 +49,16 @@ def test_cpu_meter_agrees_with_the_profilers_memory_events_on_a_compiled_forward
 
     want_net, want_peak = _profiler_net_and_peak(forward)
     held.pop().backward()
+    calls = fxckpt.stats()["offload_calls"]
     got = fxckpt.measure(forward)
+    handles = fxckpt.stats()["offload_calls"] - calls
     held.pop().backward()
-    assert got.resident_bytes == want_net > 0
-    assert got.peak_bytes == want_peak
+    # The meter leaves out the 8-byte offload handles (host memory on a GPU); the profiler
+    # counts every allocation.
+    assert got.resident_bytes == want_net - 8 * handles > 0
+    assert (handles > 0) == (offload == "all")
+    if offload == "never":  # handles come and go during the call, so only here is the peak equal
+        assert got.peak_bytes == want_peak
     assert got.output_bytes == 4  # the float32 loss
     assert got.held_bytes == got.resident_bytes - 4
 
