@@ -218,6 +218,14 @@ def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
     return int(upper) if isinstance(upper, sympy.Integer) else None
 
 
+def symbol_lower_bound(shape_env: Any, symbol: Any) -> int:
+    """The smallest value dynamo allows ``symbol`` (2 for an unmarked dynamic size)."""
+    import sympy
+
+    lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
+    return int(lower) if isinstance(lower, sympy.Integer) else 0
+
+
 def symbol_source(shape_env: Any, symbol: Any) -> str:
     """The input dimension a size symbol stands for, as dynamo names it (``L['x'].size()[1]``)."""
     sources = getattr(shape_env, "var_to_sources", {}).get(symbol)

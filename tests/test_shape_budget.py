@@ -108,3 +108,21 @@ def test_mark_dynamic_max_that_a_byte_budget_cannot_hold_raises_at_compile_time(
     assert err.sizes.endswith("size()[1]=1024 (upper bound)")
     assert err.smallest_bytes > budget
     assert f"{err.smallest_bytes} bytes" in str(err)
+
+
+def test_a_fraction_over_a_marked_range_is_planned_at_its_end_and_checked_at_both() -> None:
+    # A guard would narrow the range mark_dynamic fixed, which dynamo refuses; one graph
+    # serves it all, planned at 128 tokens and checked at 2 and 128.
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    plain = torch.compile(model, backend="aot_eager")
+    baseline = {n: measure_forward(plain, _marked(n, 128)).held_bytes for n in (16, 128)}
+    torch._dynamo.reset()
+    backend = fxckpt.backend(memory_budget=0.3, cost_model="unit", **OPTS)
+    compiled = torch.compile(model, backend=backend)
+    held = {n: measure_forward(compiled, _marked(n, 128)).held_bytes for n in (16, 128)}
+    (plan,) = fxckpt.last_plans()
+    assert any(note.endswith("(upper bound)") for note in plan.notes), plan.notes
+    assert any("at both ends of the range fixed by mark_dynamic" in n for n in plan.notes), plan.notes
+    for n in (16, 128):
+        assert held[n] <= 0.3 * baseline[n], (n, held[n], baseline[n])

@@ -283,6 +283,7 @@ def partition(
                 baseline=baseline,
                 options=options,
                 budget=budget,
+                graph_name=graph_name,
             )
     seen = {a.name: a for a in baseline}
     for name, a in attempt.rebuilt.items():

@@ -3,11 +3,14 @@
 Under dynamic shapes one compiled graph serves every length of a dimension, but a plan is
 made with numbers. The rule:
 
-1. **Plan for the longest length when there is one.** With a byte budget and a size symbol
-   that has an upper bound (``torch._dynamo.mark_dynamic(t, dim, max=N)``, or a range dynamo
-   derived), the plan is made with that symbol at its bound. Saved bytes grow with the length,
-   so a plan that fits there fits every shorter length; where none fits, the budget is
-   infeasible at that length (``BudgetError`` at compile time, naming the length).
+1. **A range with an end: plan for its longest length.** A size symbol with an upper bound
+   (``torch._dynamo.mark_dynamic(t, dim, max=N)``, or a range dynamo derived) is planned at
+   that bound. Saved bytes grow with the length, so a byte budget that fits there fits every
+   shorter length; where none fits, the budget is infeasible at that length (``BudgetError``
+   at compile time, naming it). dynamo refuses a guard that narrows a range the user marked
+   (``ConstraintViolationError``), so one graph must serve it all: a fraction is checked at
+   both ends of the range, and a warning names the end, the bytes and the budget where it
+   fails.
 2. **Otherwise guard the sizes the plan holds for.** The plan is made for this call's sizes,
    and a guard is installed in dynamo's shape environment that is true exactly while the
    plan's resident bytes stay within the budget:
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -35,7 +39,12 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxckpt._torch_compat import free_unbacked, symbol_hints, symbol_upper_bound
+from fxckpt._torch_compat import (
+    free_unbacked,
+    symbol_hints,
+    symbol_lower_bound,
+    symbol_upper_bound,
+)
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.memory import Problem, residency
 from fxckpt.graph.sizes import describe, planning_at, planning_values, size_symbols
@@ -56,8 +65,8 @@ def _byte_budget(options: Options) -> bool:
 
 
 def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options) -> dict[sympy.Symbol, int]:
-    """The size symbols a byte budget is planned at, with the bound each is planned at."""
-    if not _byte_budget(options):
+    """The size symbols a budget is planned at, with the bound each is planned at."""
+    if options.memory_budget is None:
         return {}
     env, symbols = size_symbols(_placeholder_vals(joint))
     if env is None:
@@ -170,6 +179,7 @@ def guard_budget(
     baseline: Sequence[SavedActivation],
     options: Options,
     budget: int | None,
+    graph_name: str,
 ) -> list[str]:
     """Install the guards of rule 2 (module docstring); returns notes for the plan."""
     if budget is None:
@@ -196,22 +206,62 @@ def guard_budget(
         # Every candidate's bytes are >= 0 at any size, so the union's bytes bound each set's.
         totals = [torch.sym_sum([sym_bytes[i] for i in sorted(set().union(*sets))])]
     hints = symbol_hints(env)
-    guarded = 0
+    guarded = checked = 0
+    failures: list[tuple[int, int, str]] = []
     for total in totals:
         cond = total * scale <= bound
         if not isinstance(cond, torch.SymBool):
             continue
         expr = cond.node.expr
-        if free_unbacked(expr) or not bool(expr.xreplace(hints)):
-            # Not true at the planning sizes themselves (a plan over its budget, already
-            # reported), or not testable: the run-time check in stats warns instead.
+        if not expr.free_symbols or free_unbacked(expr) or not bool(expr.xreplace(hints)):
+            # Known true for every size; or not testable; or not true at the planning sizes
+            # themselves (a plan over its budget, already reported): no guard.
+            continue
+        fixed = {s: u for s in expr.free_symbols if (u := symbol_upper_bound(env, s)) is not None}
+        if fixed:
+            # A guard that narrows a range the user marked dynamic is refused by dynamo
+            # (ConstraintViolationError): one graph serves the whole range, so check its ends.
+            failures += _fails_at_range_ends(env, expr, total * scale, bound, scale, fixed)
+            checked += 1
             continue
         bool(cond)  # evaluating a SymBool installs it as a guard on the compiled graph
         guarded += 1
-    if not guarded:
-        return []
-    return [f"guarded to sizes where the plan meets {what} ({guarded} condition(s)); "
-            "other sizes compile a new plan"]
+    notes = []
+    if guarded:
+        notes.append(f"guarded to sizes where the plan meets {what} ({guarded} condition(s)); "
+                     "other sizes compile a new plan")
+    if checked and not failures:
+        notes.append(f"meets {what} at both ends of the range fixed by mark_dynamic")
+    if failures:
+        kept, allowed, at = max(failures)
+        warnings.warn(
+            f"fxckpt[{graph_name}]: at {at}, an end of the range fixed by mark_dynamic, the "
+            f"plan keeps {kept} bytes resident where {what} allows {allowed}. One graph serves "
+            "the whole range, so it cannot be re-planned there; narrow the range, or use a "
+            "byte memory_budget (planned for the longest length).",
+            stacklevel=2,
+        )
+        notes.append(f"over {what} at {at}: {kept} bytes against {allowed}")
+    return notes
+
+
+def _fails_at_range_ends(
+    env: Any, expr: Any, lhs: Any, rhs: Any, scale: int, upper: dict[Any, int]
+) -> list[tuple[int, int, str]]:
+    """``(kept bytes, allowed bytes, sizes)`` at each end of the fixed range where ``expr``
+    fails. A budget was planned at the upper end, where it holds unless infeasible."""
+    hints = symbol_hints(env)
+    out = []
+    for end in (upper, {s: symbol_lower_bound(env, s) for s in upper}):
+        values = {s: sympy.Integer(v) for s, v in end.items()}
+        if not bool(expr.xreplace(values).xreplace(hints)):
+            out.append((_at(lhs, values, hints) // scale, _at(rhs, values, hints) // scale, describe(env, end)))
+    return out
+
+
+def _at(v: Any, values: dict[Any, Any], hints: dict[Any, Any]) -> int:
+    expr = v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
+    return int(expr.xreplace(values).xreplace(hints))
 
 
 def sizes_note(joint: fx.GraphModule) -> str:
