@@ -126,3 +126,18 @@ def test_a_fraction_over_a_marked_range_is_planned_at_its_end_and_checked_at_bot
     assert any("at both ends of the range fixed by mark_dynamic" in n for n in plan.notes), plan.notes
     for n in (16, 128):
         assert held[n] <= 0.3 * baseline[n], (n, held[n], baseline[n])
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_the_guard_replans_under_inductor() -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=1, d=16)
+    budget = 120 * 1024  # min-cut saves 49 KiB at 16 tokens and 248 KiB at 64
+    backend = fxckpt.backend(memory_budget=budget, min_offload_bytes=0)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for length in (16, 64):
+        assert measure_forward(compiled, gpt_inputs(seq=length)).held_bytes <= budget
+    first, second = fxckpt.last_plans()
+    assert first.resident_peak_bytes == first.baseline_saved_bytes  # kept all at 16 tokens
+    assert second.baseline_saved_bytes > budget >= second.resident_peak_bytes
