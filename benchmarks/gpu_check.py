@@ -10,8 +10,9 @@ Without CUDA it prints why and exits 0. With CUDA it checks, and prints as one t
    torch_offload (every eligible node tagged) and fxckpt offload="all", on a Qwen3-1.7B-shaped
    decoder (``--layers`` of its 28 layers) at 8k and 32k tokens in bfloat16. The rows are
    ``benchmarks/methods.py``'s, the same as cpu_bench.py's, run by the same harness.
-3. ``torch.cuda.max_memory_allocated`` against the simulator: the bytes left allocated after the
-   forward, and the step's peak, beside fxckpt's ``plan.resident_peak_bytes``.
+3. Measured against planned: ``fxckpt.Meter`` (CUDA's ``memory_allocated`` and
+   ``max_memory_allocated``, peak reset) gives the bytes a forward leaves allocated and the
+   step's peak, beside fxckpt's planned peak (``plan.resident_peak_bytes``).
 4. How much of the copy time is hidden behind compute: ``fxckpt.stats()["stall_seconds"]``
    against the time the copies take at the measured pinned bandwidth.
 
@@ -92,21 +93,16 @@ def memory_probe(device: torch.device, bandwidth: dict[str, float]) -> Any:
 
         fxckpt.reset_stats()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            seen: dict[str, int] = {}
-
-            def after_forward() -> None:
-                torch.cuda.synchronize(device)
-                seen["after_forward"] = torch.cuda.memory_allocated(device) - base
-                seen["forward_peak"] = torch.cuda.max_memory_allocated(device) - base
-
-            runner.step(idx, tgt, on_forward=after_forward)
-            torch.cuda.synchronize(device)
-            row["allocated_after_forward_bytes"] = seen["after_forward"]
-            row["forward_peak_bytes"] = seen["forward_peak"]
-            row["step_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            # fxckpt's meter: CUDA's memory_allocated / max_memory_allocated, peak reset at
+            # each start. The forward's meter starts right after the step's, so resetting the
+            # peak there loses nothing the step's meter needs.
+            forward, whole = fxckpt.Meter(device), fxckpt.Meter(device)
+            with whole:
+                runner.step(idx, tgt, meter=forward)
+            assert forward.result is not None and whole.result is not None
+            row["measured_resident_bytes"] = forward.result.held_bytes
+            row["forward_peak_bytes"] = forward.result.peak_bytes
+            row["step_peak_bytes"] = whole.result.peak_bytes
         else:
             runner.step(idx, tgt)
         if runner.spec.kind != "fxckpt":
@@ -124,7 +120,7 @@ def memory_probe(device: torch.device, bandwidth: dict[str, float]) -> Any:
 
 def gpu_table(rows: Sequence[dict[str, Any]]) -> str:
     """The columns the CPU table does not have."""
-    lines = ["| seq | method | after fwd GiB | fwd peak GiB | step peak GiB | plan resident "
+    lines = ["| seq | method | after fwd GiB (measured) | fwd peak GiB | step peak GiB | planned "
              "peak GiB | stall ms | copy ms | copy hidden |", "|" + "---|" * 9]
     for r in rows:
         if r.get("unavailable"):
@@ -137,9 +133,9 @@ def gpu_table(rows: Sequence[dict[str, Any]]) -> str:
         stall, copy = r.get("stall_s_per_step"), r.get("copy_s_per_step")
         hidden = r.get("copy_hidden_share")
         lines.append(
-            f"| {r['seq']} | {r['method']} | {gib('allocated_after_forward_bytes')} | "
+            f"| {r['seq']} | {r['method']} | {gib('measured_resident_bytes')} | "
             f"{gib('forward_peak_bytes')} | {gib('step_peak_bytes')} | "
-            f"{gib('plan_resident_peak_bytes')} | {'-' if stall is None else f'{stall * 1e3:.1f}'} "
+            f"{gib('planned_peak_bytes')} | {'-' if stall is None else f'{stall * 1e3:.1f}'} "
             f"| {'-' if copy is None else f'{copy * 1e3:.1f}'} | "
             f"{'-' if hidden is None else f'{100 * hidden:.0f}%'} |"
         )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot")
+SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot", "dynamic_budget", "meter_cost")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
