@@ -141,3 +141,21 @@ def test_the_guard_replans_under_inductor() -> None:
     first, second = fxckpt.last_plans()
     assert first.resident_peak_bytes == first.baseline_saved_bytes  # kept all at 16 tokens
     assert second.baseline_saved_bytes > budget >= second.resident_peak_bytes
+
+
+def test_regression_saved_rng_state_sizes_are_not_guarded() -> None:
+    # A recomputed SDPA makes min-cut save the CPU generator's state; under dynamic=True its
+    # fake value gets a size symbol of its own, with no graph input behind it. A guard on it
+    # failed dynamo's guard building ("sources must not be empty" / "Guard failed on the same
+    # frame it was created"); such sizes are now read at their hint.
+    from benchmarks.methods import Decoder, DecoderConfig, make_batch
+
+    cfg = DecoderConfig("tiny", vocab=64, d=32, heads=2, layers=2, ffn=64)
+    torch.manual_seed(0)
+    backend = fxckpt.backend(compiler="eager", memory_budget=0.3, offload="never")
+    compiled = torch.compile(Decoder(cfg), backend=backend, dynamic=True)
+    held = measure_forward(compiled, make_batch(cfg, 2, 16, "cpu")).held_bytes
+    (plan,) = fxckpt.last_plans()
+    assert any(r.dtype == "uint8" and r.decision.kind == "keep" for r in plan.activations)
+    assert any("guarded to sizes" in n for n in plan.notes), plan.notes
+    assert held <= plan.budget_bytes

@@ -47,7 +47,13 @@ from fxckpt._torch_compat import (
 )
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.memory import Problem, residency
-from fxckpt.graph.sizes import describe, planning_at, planning_values, size_symbols
+from fxckpt.graph.sizes import (
+    concrete,
+    describe,
+    planning_at,
+    planning_values,
+    size_symbols,
+)
 from fxckpt.options import Options
 
 log = logging.getLogger(__name__)
@@ -156,13 +162,22 @@ def _expr(v: Any) -> Any:
     return v.node.expr if isinstance(v, torch.SymInt) else int(v)
 
 
-def _storage_nbytes(nodes: dict[str, fx.Node], acts: Iterable[SavedActivation]) -> dict[str, Any]:
-    """Bytes of each storage as the graph computes them: a SymInt under dynamic shapes."""
+def _storage_nbytes(gm: fx.GraphModule, acts: Iterable[SavedActivation]) -> dict[str, Any]:
+    """Bytes of each storage as the graph computes them: a SymInt under dynamic shapes.
+
+    Only sizes of the graph's inputs can be guarded. A size symbol of anything else (the CPU
+    generator state a recomputed random op saves is fakeified with a size of its own under
+    ``dynamic=True``) has no input to test, so it is read at its hint, a constant.
+    """
+    _, guardable = size_symbols(_placeholder_vals(gm))
+    nodes = {n.name: n for n in gm.graph.nodes}
     out: dict[str, Any] = {}
     for a in acts:
         if a.storage not in out:
-            val = nodes[a.name].meta["val"]
-            out[a.storage] = val.untyped_storage().nbytes()
+            nbytes = nodes[a.name].meta["val"].untyped_storage().nbytes()
+            if isinstance(nbytes, torch.SymInt) and not nbytes.node.expr.free_symbols <= guardable:
+                nbytes = concrete(nbytes)
+            out[a.storage] = nbytes
     return out
 
 
@@ -184,8 +199,7 @@ def guard_budget(
     """Install the guards of rule 2 (module docstring); returns notes for the plan."""
     if budget is None:
         return []
-    nodes = {n.name: n for n in fw.graph.nodes}
-    sym = _storage_nbytes(nodes, final)
+    sym = _storage_nbytes(fw, final)
     sym_bytes = [sym[k] for k in storage_keys]
     if not any(isinstance(b, torch.SymInt) for b in sym_bytes):
         return []
@@ -198,8 +212,8 @@ def guard_budget(
         what = f"memory_budget={budget} bytes"
     else:
         fraction = Fraction(str(options.memory_budget))
-        base_nodes = {n.name: n for n in baseline_fw.graph.nodes}
-        bound = torch.sym_sum(list(_storage_nbytes(base_nodes, baseline).values())) * fraction.numerator
+        base = _storage_nbytes(baseline_fw, baseline)
+        bound = torch.sym_sum(list(base.values())) * fraction.numerator
         scale = fraction.denominator
         what = f"memory_budget={options.memory_budget} of each length's baseline"
     if len(sets) > MAX_GUARDS:
