@@ -26,20 +26,36 @@ from typing import Any
 import torch
 
 from benchmarks.methods import Decoder, DecoderConfig, make_batch
+from fxckpt.options import parse_bytes
 
 MiB = 2**20
-GPT6 = DecoderConfig("gpt6", vocab=512, d=96, heads=4, layers=6, ffn=384)
+# Small enough that one length's logits (batch x tokens x vocab fp32: 1 MiB at 512 tokens)
+# leave room under the budget.
+GPT6 = DecoderConfig("gpt6", vocab=256, d=64, heads=4, layers=6, ffn=256)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 START, END = "<!-- dynamic-table:start -->", "<!-- dynamic-table:end -->"
 
 
-def _held(compiled: Any, idx: torch.Tensor, tgt: torch.Tensor) -> int:
+def _held(compiled: Any, idx: torch.Tensor, tgt: torch.Tensor) -> int | str:
+    """Bytes a warm forward leaves for its backward, or the BudgetError raised at this length."""
     import fxckpt
 
-    compiled(idx, tgt).backward()  # warm: this length's graph is compiled
+    try:
+        compiled(idx, tgt).backward()  # warm: this length's graph is compiled
+    except Exception as err:  # dynamo wraps the BudgetError a length no plan can hold raises
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, fxckpt.BudgetError):
+            cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return f"BudgetError: smallest {cause.smallest_bytes / MiB:.2f} MiB"
     m = fxckpt.measure(compiled, idx, tgt)
     m.output.backward()
     return m.held_bytes
+
+
+def _mib(v: int | str) -> str:
+    return v if isinstance(v, str) else f"{v / MiB:.2f}"
 
 
 def _serving_plan(before: int) -> str:
@@ -49,12 +65,14 @@ def _serving_plan(before: int) -> str:
     plans = fxckpt.last_plans()
     plan = plans[-1]
     sizes = next((n.removeprefix("planned for ") for n in plan.notes if n.startswith("planned for")), "")
+    tokens = re.search(r"\.size\(\)\[1\]=(\d+)", sizes)
+    at = f"{tokens.group(1)} tokens" if tokens else sizes
+    bound = ", the max" if sizes.endswith("(upper bound)") else ""
     new = "new" if len(plans) > before else "reused"
-    short = re.sub(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", r"\1.shape[\2]", sizes)
-    return f"{plan.name} ({new}; planned for {short})"
+    return f"{plan.name}: {new}, planned at {at}{bound}"
 
 
-def run(lengths: Sequence[int], budget: str, batch: int) -> list[dict[str, Any]]:
+def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str) -> list[dict[str, Any]]:
     import fxckpt
 
     torch.manual_seed(0)
@@ -69,13 +87,12 @@ def run(lengths: Sequence[int], budget: str, batch: int) -> list[dict[str, Any]]
 
     torch._dynamo.reset()
     fxckpt.reset_stats()
-    options = {"memory_budget": budget, "compiler": "eager"}
+    options = {"memory_budget": budget, "compiler": "eager", "min_offload_bytes": min_offload}
     compiled = torch.compile(base, backend="fxckpt", dynamic=True, options=options)
     for row in rows:
         before = len(fxckpt.last_plans())
         row["fxckpt_bytes"] = _held(compiled, *batches[row["seq"]])
-        row["fxckpt_plan"] = _serving_plan(before)
-        row["budget_bytes"] = fxckpt.last_plans()[-1].budget_bytes
+        row["fxckpt_plan"] = _serving_plan(before) if isinstance(row["fxckpt_bytes"], int) else "-"
 
     torch._dynamo.reset()
     fxckpt.reset_stats()
@@ -86,7 +103,7 @@ def run(lengths: Sequence[int], budget: str, batch: int) -> list[dict[str, Any]]
             torch._dynamo.mark_dynamic(t, 1, min=2, max=max(lengths))
         before = len(fxckpt.last_plans())
         row["marked_bytes"] = _held(marked, idx, tgt)
-        row["marked_plan"] = _serving_plan(before)
+        row["marked_plan"] = _serving_plan(before) if isinstance(row["marked_bytes"], int) else "-"
     return rows
 
 
@@ -94,17 +111,27 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, facts: dict[str, Any]
     lines = [
         f"Command: `{command}`  ",
         f"Date: {facts['date']}; torch {facts['torch']}; {GPT6.describe()}, batch "
-        f"{facts['batch']}, `memory_budget=\"{facts['budget']}\"`, `compiler=\"eager\"`.",
+        f"{facts['batch']}, `memory_budget=\"{facts['budget']}\"` "
+        f"({facts['budget_bytes'] / MiB:.2f} MiB), `min_offload_bytes={facts['min_offload']!r}`, "
+        "`compiler=\"eager\"`.",
         "",
         "| tokens | plain compile MiB | fxckpt `dynamic=True` MiB | vs plain | served by | "
-        "fxckpt `mark_dynamic(max)` MiB | served by | budget MiB |",
+        "fxckpt `mark_dynamic(max)` MiB | served by | within budget |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        fx, marked, plain = r["fxckpt_bytes"], r["marked_bytes"], r["plain_bytes"]
+        ratio = f"{fx / plain:.2f}x" if isinstance(fx, int) else "-"
+        # A length no plan can hold raises BudgetError at compile time: refused, not over.
+        ran = [v for v in (fx, marked) if isinstance(v, int)]
+        within = "yes" if all(v <= facts["budget_bytes"] for v in ran) else "no"
+        if not ran:
+            within = "refused"
+        elif len(ran) < 2:
+            within += ", the other refused"
         lines.append(
-            f"| {r['seq']} | {r['plain_bytes'] / MiB:.2f} | {r['fxckpt_bytes'] / MiB:.2f} | "
-            f"{r['fxckpt_bytes'] / r['plain_bytes']:.2f}x | {r['fxckpt_plan']} | "
-            f"{r['marked_bytes'] / MiB:.2f} | {r['marked_plan']} | {r['budget_bytes'] / MiB:.2f} |"
+            f"| {r['seq']} | {_mib(plain)} | {_mib(fx)} | {ratio} | {r['fxckpt_plan']} | "
+            f"{_mib(marked)} | {r['marked_plan']} | {within} |"
         )
     return "\n".join(lines)
 
@@ -128,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--budget", default="2MiB")
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--min-offload-bytes", default="0",
+                   help="fxckpt's min_offload_bytes (the default option, 1MiB, leaves this "
+                   "small model nothing to offload)")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     p.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's table")
     args = p.parse_args(argv)
@@ -138,9 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         "batch": args.batch,
         "budget": args.budget,
+        "budget_bytes": parse_bytes(args.budget, "--budget"),
+        "min_offload": args.min_offload_bytes,
         "loadavg_start": list(os.getloadavg()),
     }
-    rows = run(args.lengths, args.budget, args.batch)
+    mob: int | str = int(args.min_offload_bytes) if args.min_offload_bytes.isdigit() else args.min_offload_bytes
+    facts["min_offload"] = mob
+    rows = run(args.lengths, args.budget, args.batch, mob)
     table = markdown(rows, command, facts)
     print(table)
     if args.json:

@@ -41,7 +41,9 @@ def last_plans() -> list[Plan]:
 
 
 def stats() -> dict[str, Any]:
-    """Runtime counters: bytes moved, stalls, pool size, resident saved bytes."""
+    """What the runtime counted (bytes moved, fallbacks, stalls, the host pool) and, per
+    compiled graph and added up, the planned figures (``planned_kept_bytes``,
+    ``planned_peak_bytes``). Planned figures are not measurements: :func:`measure` is."""
     return _stats.snapshot()
 
 
