@@ -83,24 +83,26 @@ def run(seq: int, batch: int, rounds: int) -> dict[str, object]:
     return out
 
 
-def markdown(res: dict[str, object], command: str, date: str) -> str:
+def markdown(results: Sequence[dict[str, object]], command: str, date: str) -> str:
+    first = results[0]
     lines = [
         f"Command: `{command}`  ",
-        f"Date: {date}; torch {torch.__version__}; {GPT_QUICK.describe()}, batch {res['batch']}, "
-        f"seq {res['seq']}, fxckpt `memory_budget=0.5`, {res['rounds']} rounds; load average "
+        f"Date: {date}; torch {torch.__version__}; {GPT_QUICK.describe()}, batch {first['batch']}, "
+        f"fxckpt `memory_budget=0.5`, {first['rounds']} rounds; load average "
         f"{os.getloadavg()[0]:.1f} at the end.",
         "",
-        "| step (forward measured by) | ms | vs unmeasured (min-max) |",
-        "|---|---|---|",
+        "| seq | step (forward measured by) | ms | vs unmeasured (min-max) | bytes the forward left |",
+        "|---|---|---|---|---|",
     ]
-    for kind in ("unmeasured", "fxckpt.measure", "torch.profiler"):
-        ms, ratio, lo, hi = res[kind]  # type: ignore[misc]
-        lines.append(f"| {kind} | {ms:.0f} | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) |")
+    for res in results:
+        for kind, key in (("unmeasured", None), ("fxckpt.measure", "meter_resident"),
+                          ("torch.profiler", "profiler_net")):  # fmt: skip
+            ms, ratio, lo, hi = res[kind]  # type: ignore[misc]
+            left = "-" if key is None else str(res[key])
+            lines.append(f"| {res['seq']} | {kind} | {ms:.1f} | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) | {left} |")
     lines.append("")
-    lines.append(
-        f"Bytes the forward left allocated: the meter {res['meter_resident']}, the profiler's "
-        f"events {res['profiler_net']} (the profiler also counts fxckpt's 8-byte offload handles)."
-    )
+    lines.append("The profiler's bytes include fxckpt's 8-byte offload handles, which the meter "
+                 "leaves out as host memory.")
     return "\n".join(lines)
 
 
@@ -108,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.meter_cost",
                                 description="The cost of fxckpt.measure against torch.profiler's "
                                 "memory profiling, on a training step (see docs/benchmarks.md).")
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--seqs", type=int, nargs="+", default=[16, 256],
+                   help="sequence lengths: short ones are dominated by op overhead")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's table")
@@ -117,11 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     command = "python -m benchmarks.meter_cost " + " ".join(sys.argv[1:] if argv is None else argv)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    res = run(args.seq, args.batch, args.rounds)
-    table = markdown(res, command, date)
+    results = [run(seq, args.batch, args.rounds) for seq in args.seqs]
+    table = markdown(results, command, date)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "date": date, **res}, indent=1) + "\n")
+        doc = {"command": command, "date": date, "results": results}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.docs:
         from benchmarks.dynamic_budget import write_docs
 
