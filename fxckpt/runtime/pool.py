@@ -213,7 +213,10 @@ def get_pool(device_type: str) -> HostPool:
 def host_buffer_ptrs(device_type: str) -> set[int]:
     """Addresses of the host buffers the pool for ``device_type`` holds (empty if none)."""
     pool = _pools.get(device_type)
-    return set(pool.ptrs) if pool is not None else set()
+    if pool is None:
+        return set()
+    with pool._lock:  # acquire and trim change the set under this lock
+        return set(pool.ptrs)
 
 
 def set_pool_cap(max_bytes: int | None) -> None:
