@@ -10,17 +10,17 @@ methods take turns in a rotating order. Times are medians, with the min and max 
 
 What the columns measure:
 
-- ``resident_saved_bytes``: bytes saved for backward that stay on the compute device at the
-  end of the forward, counted by :class:`benchmarks.methods.SavedCounter` for every row.
+- ``measured_resident_bytes``: what one forward leaves allocated on the compute device for
+  its backward (the loss excluded), measured by fxckpt's meter (:class:`Meters`) in an
+  untimed step: the allocator's figures, not a plan's. fxckpt's host pool and offload handles
+  are host memory and not in it. ``hook_resident_saved_bytes`` is what a saved-tensors hook
+  counts (:class:`benchmarks.methods.SavedCounter`), kept as a cross-check; fxckpt rows also
+  carry their planned figures, ``planned_kept_bytes`` and ``planned_peak_bytes``.
 - ``host_saved_bytes``: what the row keeps on the host instead (save_on_cpu's copies, torch's
   offloaded tensors, fxckpt's offloaded bytes from ``fxckpt.stats()``). On a CPU device that is
   the same memory: the split is the one a GPU would see.
-- ``peak_bytes``: one tracker for every row, in one extra untimed step per method. CPU:
-  ``torch.profiler`` with ``profile_memory=True``, the peak of the running sum of the bytes
-  torch's CPU allocator hands out and takes back during the step (:class:`ProfilerPeak`). It
-  counts everything the step allocates (gradients, temporaries, copies made during the step);
-  fxckpt's host pool is allocated by the first steps and reused, so it is not in it. CUDA:
-  ``torch.cuda.max_memory_allocated`` over the step minus ``memory_allocated`` before it.
+- ``peak_bytes``: the meter's peak over one more untimed step (forward and backward), above
+  what was allocated before it: gradients, temporaries and copies included.
 - ``step_time_ratio``: median step time (forward + backward) over eager's, in the same run.
 - ``compile_time_ratio``: (first step - median step) over the same figure of ``compiled``.
 - ``grads_match``: every parameter gradient of the first step passes
@@ -65,7 +65,7 @@ MiB = 2**20
 
 
 # --------------------------------------------------------------------------------------------
-# Peak trackers: one per device kind, the same for every row.
+# Memory: fxckpt's meter, the same for every row.
 # --------------------------------------------------------------------------------------------
 
 
@@ -83,51 +83,32 @@ def _quiet_fd2() -> Iterator[None]:
         os.close(saved)
 
 
-class ProfilerPeak:
-    """Peak of the net bytes torch's CPU allocator handed out during one step.
+class Meters:
+    """fxckpt's meter (``fxckpt.Meter``) around one untimed forward, then one untimed step:
+    the allocator's figures, never a plan's. CPU: torch's CPU allocator reports (profiler
+    memory events, ops not recorded); CUDA: ``memory_allocated`` / ``max_memory_allocated``
+    with the peak reset. fxckpt's host pool and offload handles are host memory, not counted."""
 
-    ``torch.profiler.profile(profile_memory=True)`` records every allocation and free of the
-    calling thread; the running sum's maximum, from 0 at the step's start, is the step's peak
-    above what was allocated before it. fxckpt's copy threads allocate nothing at steady state
-    (the host pool's buffers come from the first steps), so nothing is missed. Measured in
-    separate, untimed steps: the profiler slows the step it watches.
-    """
-
-    name = "torch.profiler(profile_memory=True): peak net bytes allocated during one step"
-
-    def measure(self, step: Callable[[], Any]) -> int:
-        from torch.profiler import ProfilerActivity, profile
-
-        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort(key=lambda e: e.start_ns())
-        now = peak = 0
-        for e in events:
-            now += e.nbytes()
-            peak = max(peak, now)
-        return peak
-
-
-class CudaPeak:
-    """``torch.cuda.max_memory_allocated`` during the step minus the allocated bytes before it."""
-
-    name = "torch.cuda.max_memory_allocated during one step minus memory_allocated before it"
+    name = "fxckpt.Meter: the allocator's net and peak bytes over the call"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def measure(self, step: Callable[[], Any]) -> int:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        step()
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
+    def forward(self, runner: Runner, idx: torch.Tensor, tgt: torch.Tensor) -> Any:
+        import fxckpt
 
+        meter = fxckpt.Meter(self.device)
+        with _quiet_fd2():
+            runner.step(idx, tgt, meter=meter)
+        return meter.result
 
-def peak_tracker(device: torch.device) -> ProfilerPeak | CudaPeak:
-    return CudaPeak(device) if device.type == "cuda" else ProfilerPeak()
+    def step(self, runner: Runner, idx: torch.Tensor, tgt: torch.Tensor) -> Any:
+        import fxckpt
+
+        meter = fxckpt.Meter(self.device)
+        with _quiet_fd2(), meter:
+            runner.step(idx, tgt)
+        return meter.result
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +162,7 @@ def run_suite(
     torch.manual_seed(0)
     base = Decoder(cfg).to(device=device, dtype=dtype)
     idx, tgt = make_batch(cfg, batch, seq, device)
-    tracker = peak_tracker(device)
+    meters = Meters(device)
     runners: list[Runner] = []
     rows: dict[str, dict[str, Any]] = {}
     ref_grads: dict[str, torch.Tensor] = {}
@@ -195,8 +176,12 @@ def run_suite(
         fxckpt.reset_stats()
         _sync(device)
         start = time.perf_counter()
+        # Eager rows allocate nothing to compile: their first forward is measured as it
+        # runs (full_checkpoint's figure becomes fxckpt_at_full_ckpt's budget).
+        meter = None if runner.compiled else fxckpt.Meter(device)
         try:
-            loss, resident, host = runner.step(idx, tgt, counter)
+            with _quiet_fd2():
+                loss, resident, host = runner.step(idx, tgt, counter, meter=meter)
         except Exception as e:  # a method that cannot run here is a row that says why
             log(f"  {spec.name}: unavailable: {type(e).__name__}: {str(e).splitlines()[0]}")
             rows[spec.name] = _row(spec, runner, seq, batch, unavailable=f"{type(e).__name__}: "
@@ -212,21 +197,22 @@ def run_suite(
         for p in model.parameters():
             p.grad = None
         row = _row(spec, runner, seq, batch)
-        row.update(first_step_s=first_s, loss=loss, resident_saved_bytes=resident,
+        row.update(first_step_s=first_s, loss=loss, hook_resident_saved_bytes=resident,
                    host_saved_bytes=host, grads_match=ok, grads_note=why)  # fmt: skip
         if spec.kind == "fxckpt":
             st, plans = _fxckpt_stats(), fxckpt.last_plans()
-            row["fxckpt_stats_resident_saved_bytes"] = int(st["resident_saved_bytes"])
+            row["planned_kept_bytes"] = int(st["planned_kept_bytes"])
             row["host_saved_bytes"] = (host or 0) + int(st["offloaded_bytes"])
-            row["plan_resident_peak_bytes"] = sum(p.resident_peak_bytes for p in plans)
+            row["planned_peak_bytes"] = sum(p.resident_peak_bytes or 0 for p in plans)
             row["plan_decisions"] = _decisions(plans)
             row["plan_budget_bytes"] = [p.budget_bytes for p in plans]
             row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
         if spec.kind == "full_checkpoint":
-            full_ckpt_bytes = resident
+            assert meter is not None and meter.result is not None
+            full_ckpt_bytes = meter.result.held_bytes
         rows[spec.name] = row
         runners.append(runner)
-        log(f"  {spec.name:<22} first step {first_s:6.1f} s, resident "
+        log(f"  {spec.name:<22} first step {first_s:6.1f} s, saved (hook) "
             f"{(resident or 0) / MiB:8.2f} MiB, grads_match={ok} {why[:100]}")  # fmt: skip
 
     # 2. Warm-up, then interleaved rounds in a rotating order.
@@ -254,8 +240,11 @@ def run_suite(
                 row["stall_s"].append(float(st["stall_seconds"]))
                 row["offloaded"].append(int(st["offloaded_bytes"]))
     recompiled = _frames_compiled() - frames
-    for runner in runners:  # peaks: one more step each, not timed
-        rows[runner.name]["peak_bytes"] = tracker.measure(lambda r=runner: r.step(idx, tgt))
+    for runner in runners:  # memory: two more steps each, not timed (the meter slows them)
+        fwd = meters.forward(runner, idx, tgt)
+        rows[runner.name]["measured_resident_bytes"] = fwd.held_bytes
+        rows[runner.name]["forward_peak_bytes"] = fwd.peak_bytes
+        rows[runner.name]["peak_bytes"] = meters.step(runner, idx, tgt).peak_bytes
         for p in runner.model.parameters():
             p.grad = None
         if probe is not None:
@@ -296,7 +285,7 @@ def run_suite(
             row.pop(key, None)
     row_list = [rows[s.name] for s in specs if s.name in rows]
     for row in row_list:
-        row["peak_tracker"] = tracker.name
+        row["meter"] = meters.name
     return row_list
 
 
@@ -350,7 +339,7 @@ def _mib(n: int | None) -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    head = ("| seq | method | compiler | resident saved MiB | host MiB | peak MiB | "
+    head = ("| seq | method | compiler | resident after fwd MiB | host MiB | peak MiB | "
             "step ms (min-max) | step vs eager (min-max) | CPU time vs eager | "
             "compile vs compiled | grads |")
     lines = [head, "|" + "---|" * 11]
@@ -361,7 +350,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             continue
         ctr = r.get("compile_time_ratio")
         lines.append(
-            f"| {r['seq']} | {r['method']} | {r['compiler']} | {_mib(r['resident_saved_bytes'])} "
+            f"| {r['seq']} | {r['method']} | {r['compiler']} | {_mib(r['measured_resident_bytes'])} "
             f"| {_mib(r['host_saved_bytes'])} | {_mib(r['peak_bytes'])} "
             f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) "
             f"| {r['step_time_ratio']:.2f}x ({r['step_ratio_min']:.2f}-{r['step_ratio_max']:.2f}) "
@@ -463,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts["loadavg_end"] = list(os.getloadavg())
     print()
     print(markdown_table(rows))
-    print(f"\npeak: {rows[0]['peak_tracker']}; wall {facts['wall_s']} s; load average "
+    print(f"\nmemory: {rows[0]['meter']}; wall {facts['wall_s']} s; load average "
           f"{facts['loadavg_start'][0]:.1f} at the start, {facts['loadavg_end'][0]:.1f} at the end")
     doc = {"command": command, "machine": facts, "model": cfg.__dict__, "batch": batch,
            "seqs": seqs, "repeats": repeats, "warmup": args.warmup, "compiler": args.compiler,

@@ -266,14 +266,15 @@ def check_memory_vs_simulator(ctx: Ctx) -> None:
         runner = _runner(ctx, spec, cfg, torch.bfloat16)
         runner.step(idx, tgt)  # compile and warm
         fxckpt.reset_stats()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss = runner.call(idx, tgt)
-        torch.cuda.synchronize()
+        # fxckpt's meter: CUDA's memory_allocated / max_memory_allocated, peak reset at the
+        # start; it never reads a plan.
+        with fxckpt.Meter(ctx.device) as meter:
+            loss = runner.call(idx, tgt)
+            meter.set_output(loss)
+        assert meter.result is not None
         measured[spec.name] = {
-            "after_forward": torch.cuda.memory_allocated() - base - loss.nbytes,
-            "forward_peak": torch.cuda.max_memory_allocated() - base,
+            "after_forward": meter.result.held_bytes,
+            "forward_peak": meter.result.peak_bytes,
         }
         loss.backward()
         plans[spec.name] = fxckpt.last_plans()

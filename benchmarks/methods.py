@@ -351,11 +351,13 @@ class Runner:
         return self.compiler != "-"
 
     def step(self, idx: torch.Tensor, tgt: torch.Tensor, counter: SavedCounter | None = None,
-             on_forward: Callable[[], None] | None = None
+             on_forward: Callable[[], None] | None = None, meter: Any = None,
              ) -> tuple[float, int | None, int | None]:
-        """Forward and backward; returns (loss, resident saved bytes, host saved bytes).
+        """Forward and backward; returns (loss, resident saved bytes, host saved bytes) as
+        the saved-tensors hook counts them.
 
-        ``on_forward`` runs between the forward and the backward (memory probes).
+        ``on_forward`` runs between the forward and the backward (memory probes); ``meter``
+        (an ``fxckpt.Meter``) measures the forward alone.
         """
         for p in self.model.parameters():
             p.grad = None
@@ -363,12 +365,15 @@ class Runner:
         self.calls += 1
         resident = host = None
         with ctx:
-            if counter is None:
-                loss = self.call(idx, tgt)
-            else:
-                with counter.counting():
+            with meter if meter is not None else contextlib.nullcontext():
+                if counter is None:
                     loss = self.call(idx, tgt)
-                resident, host = counter.resident_bytes, counter.host_bytes
+                else:
+                    with counter.counting():
+                        loss = self.call(idx, tgt)
+                    resident, host = counter.resident_bytes, counter.host_bytes
+                if meter is not None:
+                    meter.set_output(loss)
             if on_forward is not None:
                 on_forward()
             loss.backward()

@@ -81,7 +81,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     for ax, seq in zip(axes[0], seqs, strict=True):
         for r in (r for r in rows if r["seq"] == seq):
             colour, marker = _style(r["method"], fx_seen)
-            x, y = r["step_time_ratio"], r["resident_saved_bytes"] / scale
+            x, y = r["step_time_ratio"], r["measured_resident_bytes"] / scale
             lo, hi = _quartiles(r)
             h = ax.errorbar(x, y, xerr=[[max(0.0, x - lo)], [max(0.0, hi - x)]], fmt=marker,
                             color=colour, ms=10 if marker == "*" else 7, capsize=2,
@@ -89,7 +89,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
             handles.setdefault(r["method"], h)
         ax.set_title(f"seq {seq} x batch {rows[0]['batch']}")
         ax.set_xlabel("step time / eager (median; bars: quartiles of per-round ratios)")
-        ax.set_ylabel(f"saved activations left on the device ({unit})")
+        ax.set_ylabel(f"left on the device by a forward, measured ({unit})")
         ax.set_yscale("symlog", linthresh=0.1 if not gpu else 0.01)
         ax.set_xlim(min(medians) - 0.15, max(medians) + 0.25)
         ax.grid(True, alpha=0.3)

@@ -4,12 +4,13 @@
 
 A decoder is trained one step at growing sequence lengths (doubling from ``--seq-start``).
 At each length the script compiles it twice: plain (torch's own min-cut partitioner) and
-fxckpt with ``memory_budget=--budget``, and measures what each leaves saved for the backward
-on the device, with a saved-tensors hook (one count per storage, parameters excluded):
+fxckpt with ``memory_budget=--budget``, and measures what a second, warm forward of each
+leaves on the device for its backward, with ``fxckpt.measure`` (the allocator's figures, not
+a plan's):
 
 - plain's saved bytes: everything min-cut saves;
-- fxckpt's resident bytes: what its plan keeps on the device (the rest is offloaded to host
-  memory or recomputed), and the planner's simulated resident peak over forward+backward.
+- fxckpt's resident bytes: what stays on the device (the rest is offloaded to host memory or
+  recomputed); beside it, the planner's simulated resident peak over forward+backward.
 
 A length *fits* when those bytes are within the budget. The script stops at the first length
 where fxckpt's plan is infeasible (``fxckpt.BudgetError``), at ``--max-seq``, or (the default)
@@ -89,20 +90,12 @@ class Measurement:
         return self.fxckpt_resident is not None and self.fxckpt_resident <= self.budget
 
 
-def saved_bytes(model: nn.Module, fn: Any, *args: Any) -> tuple[torch.Tensor, int]:
-    """Run ``fn`` and count the bytes saved for backward, one count per storage, no parameters."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params and t.device.type != "meta":
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = fn(*args)
-    return loss, sum(storages.values())
+def held_bytes(compiled: Any, *args: Any) -> int:
+    """What one more (warm) forward leaves on the device for its backward, the loss excluded,
+    measured by ``fxckpt.measure`` from the allocator (no plan is read); then its backward."""
+    m = fxckpt.measure(compiled, *args)
+    m.output.backward()
+    return m.held_bytes
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -127,10 +120,12 @@ def measure(
 
     torch._dynamo.reset()
     plain_model = copy.deepcopy(base)
-    plain_loss, plain_saved = saved_bytes(plain_model, torch.compile(plain_model, backend=plain_backend), idx, tgt)
+    plain = torch.compile(plain_model, backend=plain_backend)
+    plain_loss = plain(idx, tgt)
     plain_loss.backward()
     plain_grads = _grads(plain_model)
-    del plain_model
+    plain_saved = held_bytes(plain, idx, tgt)
+    del plain_model, plain
 
     torch._dynamo.reset()
     fxckpt.reset_stats()
@@ -138,7 +133,7 @@ def measure(
     options = {"memory_budget": budget, "compiler": compiler, "min_offload_bytes": min_offload_bytes}
     compiled = torch.compile(model, backend="fxckpt", options=options)
     try:
-        loss, resident = saved_bytes(model, compiled, idx, tgt)
+        loss = compiled(idx, tgt)
     except Exception as err:  # dynamo wraps BudgetError; look for it in the chain
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, fxckpt.BudgetError):
@@ -149,6 +144,7 @@ def measure(
     loss.backward()
     grads = _grads(model)
     plans = fxckpt.last_plans()
+    resident = held_bytes(compiled, idx, tgt)
     diff = max((grads[n] - plain_grads[n]).abs().max().item() for n in plain_grads)
     return Measurement(
         seq,
@@ -208,7 +204,7 @@ def run(argv: list[str] | None = None) -> list[Measurement]:
     base = Decoder(d=args.d, layers=args.layers).to(device)
     print(f"decoder: {args.layers} layers, d={args.d}, batch {args.batch}, on {device}; "
           f"budget {args.budget} = {budget} B; compiler {args.compiler} (plain: {plain_backend})")
-    print(f"{'seq':>7} {'plain saved MiB':>16} {'fxckpt resident MiB':>20} {'fxckpt peak MiB':>16} "
+    print(f"{'seq':>7} {'plain saved MiB':>16} {'fxckpt resident MiB':>20} {'planned peak MiB':>16} "
           f"{'offloaded MiB':>14} {'recomputed MiB':>15} {'plain':>6} {'fxckpt':>7}")
     results = []
     seq = args.seq_start

@@ -22,6 +22,7 @@ from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyErr
 # Bound after the submodule loads, like backend: fxckpt.inspect is the function (offline planning).
 from fxckpt.inspect import inspect  # noqa: E402
 from fxckpt.integrations import register_with_accelerate
+from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
@@ -40,7 +41,9 @@ def last_plans() -> list[Plan]:
 
 
 def stats() -> dict[str, Any]:
-    """Runtime counters: bytes moved, stalls, pool size, resident saved bytes."""
+    """What the runtime counted (bytes moved, fallbacks, stalls, the host pool) and, per
+    compiled graph and added up, the planned figures (``planned_kept_bytes``,
+    ``planned_peak_bytes``). Planned figures are not measurements: :func:`measure` is."""
     return _stats.snapshot()
 
 
@@ -53,6 +56,8 @@ __all__ = [
     "BudgetError",
     "FxckptError",
     "Keep",
+    "Measurement",
+    "Meter",
     "Offload",
     "Options",
     "OptionsError",
@@ -64,6 +69,7 @@ __all__ = [
     "backend",
     "inspect",
     "last_plans",
+    "measure",
     "register_with_accelerate",
     "reset_stats",
     "stats",

@@ -193,6 +193,58 @@ def trace_plan_artifact(name: str, payload: str) -> None:
     )
 
 
+# Memory events. torch's CPU allocator keeps no counters of its own that Python can read; it
+# reports each allocation and free to the profiler when memory profiling is on
+# (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter). Restricting the profiler to a
+# RecordFunction scope that training never enters leaves ops unrecorded, so only those reports
+# are collected: the same events torch.profiler.profile(profile_memory=True) lists, at a
+# fraction of its cost.
+
+
+def start_memory_events() -> None:
+    """Start recording the calling thread's allocator events (raises if a profiler is on)."""
+    from torch._C import _autograd, _profiler
+
+    config = _profiler.ProfilerConfig(
+        _profiler.ProfilerState.KINETO,
+        False,  # report_input_shapes
+        True,  # profile_memory
+        False,  # with_stack
+        False,  # with_flops
+        False,  # with_modules
+        _profiler._ExperimentalConfig(),
+    )
+    activities = {_profiler.ProfilerActivity.CPU}
+    _autograd._prepare_profiler(config, activities)
+    # The stub omits the scopes argument the binding takes.
+    _autograd._enable_profiler(config, activities, {_profiler.RecordScope.STATIC_RUNTIME_MODEL})  # type: ignore[call-arg]
+
+
+def stop_memory_events() -> list[tuple[int, int, int, str]]:
+    """Stop recording; ``(time_ns, ptr, bytes, device)`` per event, in time order.
+
+    ``bytes`` is negative for a free. A free is reported only for a block allocated while
+    some profiler recorded memory, so frees of older blocks are missing.
+    """
+    from torch._C import _autograd, _profiler
+
+    result = _autograd._disable_profiler()
+    events = []
+    stack = list(result.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        f = e.extra_fields
+        if isinstance(f, _profiler._ExtraFields_Allocation):
+            events.append((e.start_time_ns, f.ptr, f.alloc_size, str(f.device.type)))
+    events.sort(key=lambda ev: ev[0])
+    return events
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler session is recording on this thread."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
 
 __all__ = [
     "CheckpointPolicy",
@@ -209,12 +261,57 @@ __all__ = [
     "lazy_graph_modules",
     "make_graph_module",
     "make_boxed_func",
+    "profiler_enabled",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
     "register_logging",
     "run_after",
+    "start_memory_events",
+    "stop_memory_events",
     "trace_plan_artifact",
 ]
+
+
+def symbol_hints(shape_env: Any) -> dict[Any, Any]:
+    """Each backed size symbol's value in the call being compiled."""
+    # backed_var_to_val in 2.13 (var_to_val is its deprecated alias); var_to_val in 2.11.
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return dict(values if values is not None else shape_env.var_to_val)
+
+
+def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
+    """The largest value dynamo allows ``symbol`` (``mark_dynamic``'s max, or a range it
+    derived), or None where it is unbounded."""
+    import sympy
+
+    vr = shape_env.var_to_range.get(symbol)
+    upper = getattr(vr, "upper", None)
+    # Unbounded is torch's int_oo, which calls itself finite but is no sympy.Integer.
+    return int(upper) if isinstance(upper, sympy.Integer) else None
+
+
+def symbol_lower_bound(shape_env: Any, symbol: Any) -> int:
+    """The smallest value dynamo allows ``symbol`` (2 for an unmarked dynamic size)."""
+    import sympy
+
+    lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
+    return int(lower) if isinstance(lower, sympy.Integer) else 0
+
+
+def symbol_source(shape_env: Any, symbol: Any) -> str:
+    """The input dimension a size symbol stands for, as dynamo names it (``L['x'].size()[1]``)."""
+    sources = getattr(shape_env, "var_to_sources", {}).get(symbol)
+    if not sources:
+        return str(symbol)
+    name = sources[0].name  # a property in 2.13, a method before
+    return str(name() if callable(name) else name)
+
+
+def free_unbacked(expr: Any) -> bool:
+    """Whether ``expr`` has data-dependent (unbacked) symbols, which no guard can test."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(expr))
 
 
 def size_hint(value: Any, fallback: int) -> int:

@@ -27,20 +27,28 @@ class BudgetError(FxckptError):
     """No plan fits the memory budget.
 
     ``smallest_bytes`` is the smallest resident peak the planner could reach, and
-    ``suggestions`` lists options that would go lower.
+    ``suggestions`` lists options that would go lower. Under dynamic shapes ``sizes`` names the
+    lengths the plan was made for (``L['idx'].size()[1]=512``).
     """
 
     def __init__(
-        self, graph: str, budget_bytes: int, smallest_bytes: int, suggestions: list[str]
+        self,
+        graph: str,
+        budget_bytes: int,
+        smallest_bytes: int,
+        suggestions: list[str],
+        sizes: str = "",
     ) -> None:
         self.graph = graph
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
         self.suggestions = list(suggestions)
+        self.sizes = sizes
         hint = ("; to go lower: " + ", ".join(suggestions)) if suggestions else ""
+        at = f" at {sizes}" if sizes else ""
         self.summary = (
-            f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes: the smallest "
-            f"resident peak the planner reaches is {smallest_bytes} bytes{hint}."
+            f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes{at}: the "
+            f"smallest resident peak the planner reaches there is {smallest_bytes} bytes{hint}."
         )
         super().__init__(
             f"{self.summary} Raise memory_budget, or pass on_infeasible='warn' to run the "

@@ -31,8 +31,10 @@ def assert_step_matches(
     seed: int = 0,
     steps: int = 1,
     **tol: Any,
-) -> None:
-    """Train ``steps`` steps compiled with ``backend`` and with the reference, and compare."""
+) -> Any:
+    """Train ``steps`` steps compiled with ``backend`` and with the reference, and compare.
+
+    Returns the compiled model, warm, for measuring further steps."""
     ref_model = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend)
     reference = ref_model if reference_backend is None else torch.compile(ref_model, backend=reference_backend)
@@ -51,6 +53,7 @@ def assert_step_matches(
         assert len(got[2]) == len(want[2])
         for a, b in zip(got[2], want[2], strict=True):
             torch.testing.assert_close(a, b, **tol)
+    return compiled
 
 
 def _fresh_inputs(inputs: Any) -> Any:

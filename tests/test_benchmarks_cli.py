@@ -6,7 +6,10 @@ import importlib
 
 import pytest
 
-SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot", "positions", "gpu_cudagraphs")
+SCRIPTS = (
+    "cpu_bench", "planner_scaling", "gpu_check", "plot", "positions", "gpu_cudagraphs",
+    "dynamic_budget", "meter_cost",
+)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -80,7 +80,7 @@ def test_dynamic_true_plans_symbolic_sizes_and_offloads_them() -> None:
     assert {r.decision.kind for r in symbolic} == {"offload"}
     s = fxckpt.stats()
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
-    assert s["resident_saved_bytes"] == 0
+    assert s["planned_kept_bytes"] == 0
 
 
 def test_mark_dynamic_sequence_dim_offloads_too() -> None:
@@ -100,10 +100,11 @@ def test_mark_dynamic_sequence_dim_offloads_too() -> None:
 
 def test_a_budget_holds_for_symbolic_plans() -> None:
     _train_and_compare(True, [16, 40], memory_budget=0.3)
-    (plan,) = fxckpt.last_plans()
-    assert plan.resident_peak_bytes is not None and plan.budget_bytes is not None
-    assert plan.resident_peak_bytes <= plan.budget_bytes
-    assert plan.offloaded_bytes > 0
+    plans = fxckpt.last_plans()
+    for plan in plans:  # one per range of lengths its plan holds for (tests/test_shape_budget.py)
+        assert plan.resident_peak_bytes is not None and plan.budget_bytes is not None
+        assert plan.resident_peak_bytes <= plan.budget_bytes
+    assert plans[0].offloaded_bytes > 0
 
 
 def test_pool_hit_rate_over_50_steps_of_mixed_lengths_with_dynamic_true(

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from equality import assert_step_matches
+from measured import measure_forward
 from models import Block, gpt_inputs
 
 import fxckpt
@@ -74,7 +75,7 @@ def test_stride_follows_the_global_block_index_across_a_break() -> None:
 def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
     torch.manual_seed(0)
     backend = fxckpt.backend(compiler="eager", memory_budget=0.3, min_offload_bytes=0)
-    assert_step_matches(BrokenGPT(), gpt_inputs(), backend, steps=2)
+    compiled = assert_step_matches(BrokenGPT(), gpt_inputs(), backend, steps=2)
     plans = fxckpt.last_plans()
     assert len(plans) == 2
     for plan in plans:
@@ -85,6 +86,19 @@ def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
         assert plan.offloaded_bytes + plan.recomputed_bytes > 0
     s = fxckpt.stats()
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
+    # One entry per graph, not the last graph's figure alone; the step adds them up.
+    graphs = s["graphs"]
+    assert sorted(graphs) == sorted(p.name for p in plans)
+    for plan in plans:
+        g = graphs[plan.name]
+        assert (g["runs"], g["budget_bytes"], g["planned_peak_bytes"]) == (
+            2, plan.budget_bytes, plan.resident_peak_bytes
+        )
+    assert s["planned_kept_bytes"] == sum(g["planned_kept_bytes"] for g in graphs.values())
+    assert s["planned_peak_bytes"] == sum(p.resident_peak_bytes for p in plans)
+    # Measured: both graphs' saved tensors wait for the backward, each within its budget.
+    held = measure_forward(compiled, gpt_inputs(), warm=False).held_bytes
+    assert 0 < held <= sum(p.budget_bytes for p in plans)
 
 
 def test_offload_and_stride_compose_across_a_break() -> None:

@@ -145,7 +145,7 @@ def test_note_runs_last_and_reports_this_steps_resident_bytes(decoder: Compiled)
     assert note.generated_kernel == note.planned_kernel == forward.compute_kernels
     assert re.findall(r"torch\.ops\.fxckpt\.(\w+)\.default\(", forward.code)[-1] == "note_saved"
     assert decoder.resident_measured > 0
-    assert decoder.stats["resident_saved_bytes"] == decoder.resident_measured
+    assert decoder.stats["planned_kept_bytes"] == decoder.resident_measured
 
 
 def test_ops_split_cuda_graphs_and_nothing_else_does(chain: Compiled, decoder: Compiled) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from equality import assert_step_matches
 from expecttest import TestCase
+from measured import measure_forward
 from models import GPT, MLP, gpt_inputs, hf_model
 
 import fxckpt
@@ -99,17 +100,44 @@ def test_stride_with_offload_all_offloads_segment_inputs() -> None:
     assert plan.recomputed_bytes > 0 and plan.offloaded_bytes > 0
 
 
-def test_resident_saved_bytes_excludes_the_host_pool() -> None:
+def test_offload_all_frees_the_device_as_measured() -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=2)
     idx, tgt = gpt_inputs()
-    torch.compile(model, backend=fxckpt.backend(compiler="eager"))(idx, tgt).backward()
-    kept = fxckpt.stats()["resident_saved_bytes"]
+    keep = measure_forward(torch.compile(model, backend=fxckpt.backend(compiler="eager")), (idx, tgt))
+    (kept_plan,) = fxckpt.last_plans()
     torch._dynamo.reset()
     fxckpt.reset_stats()
-    torch.compile(model, backend=fxckpt.backend(compiler="eager", **ALL))(idx, tgt).backward()
-    assert kept > 0
-    assert fxckpt.stats()["resident_saved_bytes"] == 0
+    off = measure_forward(torch.compile(model, backend=fxckpt.backend(compiler="eager", **ALL)), (idx, tgt))
+    (plan,) = fxckpt.last_plans()
+    _offloaded_all_saved(plan)
+    assert keep.held_bytes == kept_plan.baseline_saved_bytes > 0
+    # Nothing stays on the device (the 8-byte handles are host memory, like the pool).
+    assert off.held_bytes == 0
+    assert fxckpt.stats()["planned_kept_bytes"] == 0
+
+
+def test_runtime_fallbacks_stay_on_the_device_and_are_counted_in_bytes() -> None:
+    from fxckpt.runtime import pool
+
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    idx, tgt = gpt_inputs()
+    compiled = torch.compile(model, backend=fxckpt.backend(compiler="eager", **ALL))
+    normal = measure_forward(compiled, (idx, tgt))
+    pool.set_pool_cap(0)  # no host memory at run time: every offload falls back
+    try:
+        fxckpt.reset_stats()
+        with pytest.warns(pool.HostMemoryWarning, match="fallback_bytes"):
+            starved = measure_forward(compiled, (idx, tgt), warm=False)
+        s = fxckpt.stats()
+    finally:
+        pool.set_pool_cap(None)
+    assert s["fallbacks"] > 0 and s["offloaded_bytes"] == 0
+    (graph,) = s["graphs"].values()
+    assert graph["fallback_bytes"] == s["fallback_bytes"] > 0
+    # The meter sees every byte the runtime kept (each fallback keeps its tensor's span).
+    assert starved.held_bytes == normal.held_bytes + s["fallback_bytes"]
 
 
 def test_pinned_pool_cap_keeps_the_rest_and_warns_once() -> None:

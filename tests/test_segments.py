@@ -1,4 +1,4 @@
-"""Segment stride: SimpleTuner's semantics, checked on the plans and on the saved bytes."""
+"""Segment stride: SimpleTuner's semantics, checked on the plans and on the measured saved bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from equality import step
+from measured import measure_forward
 
 import fxckpt
 from fxckpt.passes.segment import segment_of
@@ -39,7 +40,8 @@ class Stack(nn.Module):
         return self.head(x).sum()
 
 
-def plan_for(stride: int, width: int | None = None, n: int = 8) -> fxckpt.Plan:
+def plan_and_held(stride: int, width: int | None = None, n: int = 8) -> tuple[fxckpt.Plan, int]:
+    """The plan, and the bytes a warm forward left for the backward, measured by the meter."""
     torch._dynamo.reset()
     fxckpt.reset_stats()
     torch.manual_seed(0)
@@ -52,7 +54,11 @@ def plan_for(stride: int, width: int | None = None, n: int = 8) -> fxckpt.Plan:
     loss.backward()
     torch.testing.assert_close(loss, model(x))
     (plan,) = fxckpt.last_plans()
-    return plan
+    return plan, measure_forward(compiled, (x,), warm=False).held_bytes
+
+
+def plan_for(stride: int, width: int | None = None, n: int = 8) -> fxckpt.Plan:
+    return plan_and_held(stride, width, n)[0]
 
 
 @pytest.mark.parametrize(
@@ -98,13 +104,14 @@ def test_stride_2_width_1_keeps_odd_interiors_only() -> None:
 
 
 def test_saved_bytes_fall_with_segments() -> None:
-    saved = {s: plan_for(s).resident_peak_bytes for s in (0, 1, 2)}
-    baseline = plan_for(0).baseline_saved_bytes
-    assert saved[0] == baseline
-    assert saved[2] < saved[1] < saved[0]
+    runs = {s: plan_and_held(s) for s in (0, 1, 2)}
+    planned = {s: plan.resident_peak_bytes for s, (plan, _) in runs.items()}
+    held = {s: h for s, (_, h) in runs.items()}  # measured: the allocator's figures
+    assert held[0] == planned[0] == runs[0][0].baseline_saved_bytes
+    assert held[2] < held[1] < held[0]
     # stride 1 keeps each block's output but the last (7 tensors); stride 2 keeps 3.
-    assert saved[1] == 7 * ACT_BYTES
-    assert saved[2] == 3 * ACT_BYTES
+    assert held[1] == planned[1] == 7 * ACT_BYTES
+    assert held[2] == planned[2] == 3 * ACT_BYTES
 
 
 def test_graph_without_blocks_says_so() -> None:

@@ -1,12 +1,14 @@
 """Soak: 1,000 training steps of a small GPT with offload, and nothing grows.
 
 After warm-up, the host pool holds the same bytes (no new host allocation at all), the
-process RSS stays within a small bound, the number of live tensors, handles, threads and
+meter finds nothing left on the device by a forward and the same peak, the process RSS stays
+within a small bound, the number of live tensors, handles, threads and
 engines is the same at the end as after warm-up, and the plan registry holds one plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -74,7 +76,15 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
             loss.backward()
             opt.step()
 
+    def measured_forward() -> fxckpt.Measurement:
+        opt.zero_grad(set_to_none=True)
+        m = fxckpt.measure(compiled, *batches[0])
+        m.output.backward()
+        opt.zero_grad(set_to_none=True)
+        return dataclasses.replace(m, output=None)  # the live-tensor count below must not see it
+
     train(WARMUP)
+    warm_forward = measured_forward()
     gc.collect()
     warm = stats.snapshot()
     warm_rss, warm_tensors = _rss_bytes(), _live_tensors()
@@ -87,6 +97,7 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
     for _ in range((STEPS - WARMUP) // 100):
         train(100)
         rss.append(_rss_bytes())
+    end_forward = measured_forward()
     gc.collect()
     end = stats.snapshot()
 
@@ -97,7 +108,14 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
     assert end["pool_hits"] - warm["pool_hits"] == end["offload_calls"] - warm["offload_calls"]
     assert pool.get_pool("cpu").usage()["in_use_bytes"] == warm_pool["in_use_bytes"]
     assert end["offloaded_bytes"] == end["prefetched_bytes"]
-    assert end["offload_calls"] == STEPS * warm["offload_calls"] // WARMUP
+    # The forwards: STEPS of training and the two measured ones.
+    per_forward = warm["offload_calls"] // (WARMUP + 1)
+    assert per_forward > 0 and end["offload_calls"] == (STEPS + 2) * per_forward
+
+    # Device memory, from the allocator: a forward leaves nothing on the device (offload="all"
+    # moves every saved tensor), and its peak is the same after 1,000 steps as after warm-up.
+    assert warm_forward.held_bytes == end_forward.held_bytes == 0
+    assert end_forward.peak_bytes == warm_forward.peak_bytes > 0
 
     # Process memory: flat within allocator noise, and no upward trend over the last 900 steps.
     assert max(rss) - warm_rss < RSS_SLACK_BYTES, [r - warm_rss for r in rss]

@@ -9,13 +9,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxckpt._torch_compat import size_hint
 from fxckpt.graph.blocks import BlockFacts, node_module
-
-
-def concrete(value: Any, fallback: int = 4096) -> int:
-    """An int for a size that may be symbolic: its hint, or ``fallback`` without one."""
-    return size_hint(value, fallback)
+from fxckpt.graph.sizes import concrete
 
 
 def tensor_val(node: fx.Node) -> torch.Tensor | None:

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fxckpt._torch_compat import flop_formula, size_hint
+from fxckpt._torch_compat import flop_formula
+from fxckpt.graph.sizes import concrete
 
 if TYPE_CHECKING:
     import torch
@@ -123,8 +124,8 @@ def node_flops(node: torch.fx.Node) -> float:
             if count is None:
                 return 0.0
         # With symbolic sizes the count is a SymInt; float() on it would install a guard
-        # (dynamo then recompiles the graph for every new length). Take its hint instead.
-        return float(size_hint(count, 0))
+        # (dynamo then recompiles the graph for every new length). Take its planning value.
+        return float(concrete(count, 0))
     except Exception:
         return 0.0
 

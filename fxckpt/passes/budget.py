@@ -219,7 +219,13 @@ def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
 
 
 def _infeasible(
-    graph_name: str, budget: int, smallest: int, options: Options, *, pool_capped: bool = False
+    graph_name: str,
+    budget: int,
+    smallest: int,
+    options: Options,
+    *,
+    pool_capped: bool = False,
+    sizes: str = "",
 ) -> None:
     hints = ["a larger pinned_pool_bytes"] if pool_capped else []
     if options.offload == "never":
@@ -230,7 +236,7 @@ def _infeasible(
         hints.append(f"segment_width={options.segment_stride}")
     if options.min_offload_bytes > 0 and options.offload != "never":
         hints.append("a smaller min_offload_bytes")
-    error = BudgetError(graph_name, budget, smallest, hints)
+    error = BudgetError(graph_name, budget, smallest, hints, sizes)
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=2)

@@ -62,6 +62,7 @@ from fxckpt.passes.budget import (
 from fxckpt.passes.offload import insert_note, insert_offloads
 from fxckpt.passes.schedule import pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
+from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
 from fxckpt.planning.plan import Plan
 from fxckpt.planning.planner import Choice, build_plan
 from fxckpt.planning.solve import Solution
@@ -178,6 +179,7 @@ def _partition_context(fn: Callable[..., GraphPair]) -> Callable[..., GraphPair]
 
 
 @_partition_context
+@plan_for_longest
 def partition(
     joint: fx.GraphModule,
     joint_inputs: Any,
@@ -199,6 +201,7 @@ def partition(
     with step(graph_name, "cse"):
         dedup = dedup_joint(joint)
     joint = dedup if dedup is not None else joint
+    sizes = sizes_note(joint)  # under dynamic shapes, the lengths this plan is made for
 
     def cut(gm: fx.GraphModule, consume: bool = False) -> GraphPair:
         return min_cut(
@@ -253,7 +256,7 @@ def partition(
     if attempt.solution is not None and attempt.problem is not None:
         feasible = attempt.solution.feasible
         if budget is not None and not feasible:
-            _infeasible(graph_name, budget, attempt.solution.peak, options)
+            _infeasible(graph_name, budget, attempt.solution.peak, options, sizes=sizes)
         if cap_host_pool(attempt.final, attempt.choices, options.pinned_pool_bytes, graph_name):
             attempt.solution = _resimulate(
                 attempt.problem, attempt.storages or [], attempt.choices, options.prefetch, attempt.solution
@@ -261,9 +264,27 @@ def partition(
             # Offloads the pool cap kept on the device can push a plan that met the budget
             # over it; that must raise (or warn) like any infeasible budget, not pass silently.
             if budget is not None and feasible and attempt.solution.peak > budget:
-                _infeasible(graph_name, budget, attempt.solution.peak, options, pool_capped=True)
+                _infeasible(
+                    graph_name, budget, attempt.solution.peak, options, pool_capped=True, sizes=sizes
+                )
         peak = attempt.solution.sim.peak
         timeline = _timeline(attempt.problem, attempt.solution.sim.resident, budget)
+        if sizes:
+            notes.append(f"planned for {sizes}")
+            notes += guard_budget(
+                problem=attempt.problem,
+                kinds=attempt.solution.choices,
+                d2h_done=attempt.solution.sim.d2h_done,
+                prefetch_issue=attempt.solution.sim.prefetch_issue,
+                storage_keys=[st.key for st in attempt.storages or []],
+                fw=attempt.fw,
+                final=attempt.final,
+                baseline_fw=base_fw,
+                baseline=baseline,
+                options=options,
+                budget=budget,
+                graph_name=graph_name,
+            )
     seen = {a.name: a for a in baseline}
     for name, a in attempt.rebuilt.items():
         seen.setdefault(name, a)

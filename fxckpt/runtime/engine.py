@@ -178,14 +178,22 @@ class CpuEngine:
 
     def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
         delay, fail = _copy_plan()
+        views = [span, host]
 
         def copy() -> None:
             started = time.perf_counter()
-            if delay:
-                time.sleep(delay)
-            if fail:
-                raise RuntimeError(_injected("device-to-host"))
-            host.copy_(span)
+            # The worker lets go of the views before the future completes: the executor keeps
+            # a finished work item until its next one, so the worker could otherwise hold the
+            # last reference to the source after compute dropped rec.src, and free device
+            # memory on a thread the CPU memory meter does not see.
+            try:
+                if delay:
+                    time.sleep(delay)
+                if fail:
+                    raise RuntimeError(_injected("device-to-host"))
+                views[1].copy_(views[0])
+            finally:
+                views.clear()
             stats.add("copy_seconds", time.perf_counter() - started)
 
         rec.d2h = self._executors()[1].submit(copy)

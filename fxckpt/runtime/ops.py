@@ -24,6 +24,9 @@ from fxckpt.runtime.engine import Transfer, get_engine
 from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
 
 _records: dict[int, Transfer] = {}
+# Handle id -> address of its handle tensor. Handles are host memory (an explicit CPU tensor
+# even when the source is on a GPU); a memory meter on the CPU leaves them out by address.
+_handle_ptrs: dict[int, int] = {}
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()  # next() on a count is only atomic while there is a GIL
 
@@ -40,9 +43,15 @@ def _span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
+def handle_ptrs() -> set[int]:
+    """Addresses of the live handle tensors."""
+    return set(_handle_ptrs.values())
+
+
 def _release(hid: int) -> None:
     # Runs from weakref.finalize: possibly inside the garbage collector, on any thread. It
     # takes no lock that ops hold (dict.pop is atomic, HostPool.release is lock-free).
+    _handle_ptrs.pop(hid, None)
     rec = _records.pop(hid, None)
     if rec is None:
         return
@@ -98,7 +107,6 @@ def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> t
         span=span,
         nbytes=span * src.element_size(),
     )
-    copied = 0
     if rec.nbytes:
         # The whole span, from storage_offset on, as it lies in memory: one contiguous copy
         # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
@@ -107,8 +115,8 @@ def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> t
         try:
             host = get_pool(src.device.type).acquire(rec.nbytes)
         except PoolExhausted as why:
-            warn_fallback(str(why))
-            stats.add("fallbacks", 1)
+            warn_fallback(str(why), rec.describe())
+            stats.record_fallback(rec.nbytes)
             rec.kept = span_t
         else:
             rec.host = host
@@ -122,11 +130,13 @@ def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> t
                 raise RuntimeCopyError(
                     f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
                 ) from err
-            copied = rec.nbytes
-    stats.record_offload(copied)
+            stats.record_offload(rec.nbytes)
+    else:
+        stats.record_offload(0)
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
     _records[rec.hid] = rec
+    _handle_ptrs[rec.hid] = handle.data_ptr()
     weakref.finalize(handle, _release, rec.hid).atexit = False
     return handle
 
@@ -294,22 +304,27 @@ def _(
     schema="(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
     tags=_UNSAFE,
 )
-def note_saved(saved: Sequence[torch.Tensor], plan: str, after: Sequence[torch.Tensor] | None = None) -> None:
-    """Record the bytes a forward left resident for backward, and the plan it ran.
+def note_saved(
+    saved: Sequence[torch.Tensor], plan: str, after: Sequence[torch.Tensor] | None = None
+) -> None:
+    """Record, for the graph whose plan this is, the bytes of the saved tensors its plan keeps
+    on the device (counted on the real tensors, each storage once), and the plan itself.
 
     ``after``: the forward's last compute output and every join's token, so that the note
     runs once this step's copies are joined, at the end of the forward.
     """
     seen: set[tuple[torch.device, int]] = set()
     total = 0
+    largest: torch.Tensor | None = None
     for t in saved:
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
-    stats.set_resident_saved_bytes(total)
-    stats.add_plan_payload(plan)
+            if largest is None or storage.nbytes() > largest.untyped_storage().nbytes():
+                largest = t
+    stats.note_forward(plan, total, list(largest.shape) if largest is not None else None)
 
 
 @note_saved.register_fake

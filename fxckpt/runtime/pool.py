@@ -72,6 +72,10 @@ class HostPool:
         self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
         self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
         self._slabs = Slabs() if pinned else None
+        # Addresses of the buffers this pool holds, so a memory meter can tell host buffers
+        # from device tensors where both are CPU memory (an unpinned pool; slabs are mmap'd
+        # pages, which torch's CPU allocator never reports).
+        self.ptrs: set[int] = set()
         # The process-wide pool_bytes counts this pool's buffers until the pool itself dies.
         slab_list = self._slabs.slabs if self._slabs is not None else []
         weakref.finalize(self, _forget, self._held, pinned, slab_list).atexit = False
@@ -136,6 +140,8 @@ class HostPool:
                 self._evict_idle(lambda: True)
                 return before - self.bytes
             freed = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            for bufs in self._free.values():
+                self.ptrs.difference_update(b.data_ptr() for b in bufs)
             self._free.clear()
             self._shrink(freed)
             return freed
@@ -179,7 +185,7 @@ class HostPool:
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and too_big():
-                bufs.pop()
+                self.ptrs.discard(bufs.pop().data_ptr())
                 self._shrink(size)
 
     def _allocate(self, cls: int) -> torch.Tensor:
@@ -189,6 +195,7 @@ class HostPool:
             kind = "pinned" if self.pinned else "host"
             raise PoolExhausted(f"allocating {cls} bytes of {kind} memory failed: {err}") from err
         self._held[0] += cls
+        self.ptrs.add(buf.data_ptr())
         stats.add("host_allocations", 1)
         stats.pool_resized(cls)
         return buf
@@ -264,6 +271,15 @@ def get_pool(device_type: str) -> HostPool:
         return pool
 
 
+def host_buffer_ptrs(device_type: str) -> set[int]:
+    """Addresses of the host buffers the pool for ``device_type`` holds (empty if none)."""
+    pool = _pools.get(device_type)
+    if pool is None:
+        return set()
+    with pool._lock:  # acquire and trim change the set under this lock
+        return set(pool.ptrs)
+
+
 def set_pool_cap(max_bytes: int | None) -> None:
     """Cap the bytes each host pool may hold (``None``: no cap); re-arms the fallback warning."""
     global _cap, _warned
@@ -276,17 +292,18 @@ def set_pool_cap(max_bytes: int | None) -> None:
             pool.set_cap(max_bytes)
 
 
-def warn_fallback(reason: str) -> None:
-    """Warn, once per :func:`set_pool_cap`, that an activation stays on the device."""
+def warn_fallback(reason: str, what: str) -> None:
+    """Warn, once per :func:`set_pool_cap`, that an activation (``what``) stays on the device."""
     global _warned
     with _pools_lock:
         first, _warned = not _warned, True
     if not first:
         return
     warnings.warn(
-        f"fxckpt: an activation chosen for offload stays on the device because {reason}. "
-        "Results are unaffected, but device memory is higher than planned; raise "
-        "pinned_pool_bytes or lower the offload volume. (Warned once.)",
+        f"fxckpt: an activation chosen for offload, {what}, stays on the device because "
+        f"{reason}. Results are unaffected, but device memory is higher than planned; raise "
+        "pinned_pool_bytes or lower the offload volume. fxckpt.stats() counts every such "
+        "tensor in 'fallbacks' and its bytes in 'fallback_bytes'. (Warned once.)",
         HostMemoryWarning,
         stacklevel=4,
     )

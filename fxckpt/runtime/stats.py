@@ -1,14 +1,31 @@
-"""Process-wide runtime counters, and the registry of plans that compiled graphs report.
+"""Process-wide runtime counters, per-graph figures, and the plans compiled graphs report.
 
-Every figure lives here, behind one lock, so that :func:`snapshot` is consistent and the pool
-needs no back-reference to this module's readers. The pool reports its own figures through
-:func:`pool_resized`, :func:`add`; nothing in this module creates a pool or an engine.
+Two kinds of figure, named apart:
+
+- **counted by the runtime**: bytes it really copied (``offloaded_bytes``,
+  ``prefetched_bytes``), offloads it kept on the device instead (``fallbacks``,
+  ``fallback_bytes``), stalls and the host pool;
+- **planned**: ``planned_*`` figures come from a graph's plan. ``planned_kept_bytes`` is the
+  bytes of the saved tensors the plan keeps on the device, counted on the real tensors at the
+  end of each forward; ``planned_peak_bytes`` is the plan's simulated peak.
+
+Neither is a measurement of device memory: ``fxckpt.measure`` is (it never reads this module).
+
+Per graph, ``graphs[name]`` holds the figures of its latest forward; the top-level
+``planned_*`` figures add up the graphs, so with graph breaks they cover the whole step.
+
+Every figure lives here, behind one lock, so that :func:`snapshot` is consistent. The pool
+reports its own figures through :func:`pool_resized` and :func:`add`.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import warnings
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 _COUNTERS = (
     "offloaded_bytes",
@@ -17,10 +34,10 @@ _COUNTERS = (
     "copy_seconds",
     "offload_calls",
     "fallbacks",
+    "fallback_bytes",
     "pool_hits",
     "pool_misses",
     "host_allocations",
-    "resident_saved_bytes",
 )
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone.
 _LEVELS = ("pool_bytes", "pinned_bytes")
@@ -37,6 +54,45 @@ _collectors: list[Callable[[], None]] = []
 _plans: dict[str, None] = {}
 
 
+class BudgetOverrunWarning(UserWarning):
+    """A forward left more planned-kept bytes on the device than its byte budget allows."""
+
+
+@dataclass
+class GraphFigures:
+    """One compiled graph: what its plan says, and what its latest forward did."""
+
+    runs: int = 0
+    budget_bytes: int | None = None
+    planned_peak_bytes: int | None = None
+    planned_kept_bytes: int = 0
+    offloaded_bytes: int = 0
+    fallback_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _PlanFacts:
+    name: str
+    budget_bytes: int | None
+    planned_peak_bytes: int | None
+    byte_budget: bool  # a budget in bytes, the same at every size (not a fraction)
+
+
+_graphs: dict[str, GraphFigures] = {}
+_facts: dict[str, _PlanFacts] = {}
+_warned_overrun: set[str] = set()
+
+
+class _Pending(threading.local):
+    """Offloads of the forward running on this thread, not yet claimed by its graph's note."""
+
+    offloaded = 0
+    fallback = 0
+
+
+_pending = _Pending()
+
+
 def add(name: str, amount: float | int) -> None:
     """Add ``amount`` to the counter ``name``."""
     with _lock:
@@ -44,15 +100,82 @@ def add(name: str, amount: float | int) -> None:
 
 
 def record_offload(nbytes: int) -> None:
-    """One offload call, moving ``nbytes`` to host memory (0 when kept on the device)."""
+    """One offload call, moving ``nbytes`` to host memory."""
+    _pending.offloaded += nbytes
     with _lock:
         _values["offload_calls"] += 1
         _values["offloaded_bytes"] += nbytes
 
 
-def set_resident_saved_bytes(nbytes: int) -> None:
+def record_fallback(nbytes: int) -> None:
+    """One offload call whose ``nbytes`` stayed on the device (no host memory for them)."""
+    _pending.fallback += nbytes
     with _lock:
-        _values["resident_saved_bytes"] = nbytes
+        _values["offload_calls"] += 1
+        _values["fallbacks"] += 1
+        _values["fallback_bytes"] += nbytes
+
+
+def _plan_facts(payload: str) -> _PlanFacts:
+    facts = _facts.get(payload)
+    if facts is not None:
+        return facts
+    try:
+        plan: dict[str, Any] = json.loads(payload) if payload else {}
+    except ValueError:
+        plan = {}
+    if not isinstance(plan, dict):
+        plan = {}
+    spec = (plan.get("options") or {}).get("memory_budget")
+    facts = _PlanFacts(
+        name=str(plan.get("name") or payload or "unnamed graph"),
+        budget_bytes=plan.get("budget_bytes"),
+        planned_peak_bytes=plan.get("resident_peak_bytes"),
+        byte_budget=isinstance(spec, int) or spec == "auto",
+    )
+    _facts[payload] = facts
+    return facts
+
+
+def note_forward(payload: str, kept_bytes: int, largest_shape: list[int] | None) -> None:
+    """A forward of the graph whose plan is ``payload`` ended, keeping ``kept_bytes`` on the
+    device as its plan says. Claims this thread's offloads since the previous note."""
+    add_plan_payload(payload)
+    facts = _plan_facts(payload)
+    offloaded, fallback = _pending.offloaded, _pending.fallback
+    _pending.offloaded = _pending.fallback = 0
+    with _lock:
+        fig = _graphs.setdefault(
+            facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
+        )
+        fig.runs += 1
+        fig.planned_kept_bytes = kept_bytes
+        fig.offloaded_bytes = offloaded
+        fig.fallback_bytes = fallback
+        # Only where the plan met the budget: a plan that could not (on_infeasible="warn")
+        # was already reported at compile time.
+        over = (
+            facts.byte_budget
+            and facts.budget_bytes is not None
+            and facts.planned_peak_bytes is not None
+            and facts.planned_peak_bytes <= facts.budget_bytes < kept_bytes
+            and facts.name not in _warned_overrun
+        )
+        if over:
+            _warned_overrun.add(facts.name)
+    if over:
+        # Sizes the plan was not made for (a dynamic shape the compile-time guard could not
+        # cover) keep more than the budget: say so with the figures instead of running over
+        # in silence.
+        warnings.warn(
+            f"fxckpt[{facts.name}]: this forward kept {kept_bytes} bytes of saved tensors on "
+            f"the device, over memory_budget={facts.budget_bytes} bytes (largest kept tensor "
+            f"of shape {largest_shape}). The plan was made for smaller sizes; mark the dynamic "
+            "dimension with torch._dynamo.mark_dynamic(t, dim, max=...) so that fxckpt plans "
+            "for the longest length. (Warned once per graph.)",
+            BudgetOverrunWarning,
+            stacklevel=3,
+        )
 
 
 def pool_resized(delta: int) -> None:
@@ -91,18 +214,23 @@ def add_collector(fn: Callable[[], None]) -> None:
         _collectors.append(fn)
 
 
-def snapshot() -> dict[str, float | int]:
-    """A consistent copy of every figure, including ``pool_high_water_bytes``."""
+def snapshot() -> dict[str, Any]:
+    """A consistent copy of every figure (see the module docstring)."""
     for collect in list(_collectors):
         collect()
     with _lock:
-        out = dict(_values)
+        out: dict[str, Any] = dict(_values)
         out["pool_high_water_bytes"] = _high_water
-        return out
+        graphs = {name: asdict(fig) for name, fig in _graphs.items()}
+    out["graphs"] = graphs
+    out["planned_kept_bytes"] = sum(g["planned_kept_bytes"] for g in graphs.values())
+    peaks = [g["planned_peak_bytes"] for g in graphs.values() if g["planned_peak_bytes"] is not None]
+    out["planned_peak_bytes"] = sum(peaks) if peaks else None
+    return out
 
 
 def reset() -> None:
-    """Counters to zero, the high-water mark to the pool's present size, and no plans."""
+    """Counters to zero, the high-water mark to the pool's present size, no plans or graphs."""
     global _high_water
     with _lock:
         for name in _COUNTERS:
@@ -110,3 +238,6 @@ def reset() -> None:
         _values["stall_seconds"] = _values["copy_seconds"] = 0.0
         _high_water = int(_values["pool_bytes"])
         _plans.clear()
+        _graphs.clear()
+        _warned_overrun.clear()
+    _pending.offloaded = _pending.fallback = 0

@@ -227,3 +227,32 @@ def test_runtime_imports_only_errors_and_the_cuda_seam_from_the_rest_of_fxckpt()
                     ), (
                         f"{path.name} imports {name}"
                     )
+
+
+def test_the_copy_worker_lets_go_of_the_source_before_it_signals_completion(monkeypatch):
+    # Compute drops its reference to the source (rec.src) as soon as it sees the copy done;
+    # if the worker still held a view then, the source would be freed on the worker thread,
+    # which the CPU memory meter cannot see (it counted such tensors as still resident).
+    import concurrent.futures
+
+    src = torch.randn(4096)
+    cdata = src.untyped_storage()._cdata
+    users = torch._C._storage_Use_Count  # tensors (and views) sharing the storage
+    alone = users(cdata)  # src alone
+    at_completion: list[int] = []
+    real_set_result = concurrent.futures.Future.set_result
+
+    def set_result(self, result):
+        at_completion.append(users(cdata))
+        real_set_result(self, result)
+
+    monkeypatch.setattr(concurrent.futures.Future, "set_result", set_result)
+    engine.configure(copy_delay_s=0.05)  # the copy runs after start_offload has returned
+    eng = engine.get_engine("cpu")
+    rec = engine.Transfer(hid=0, size=(4096,), stride=(1,), dtype=src.dtype, device=src.device,
+                          span=4096, nbytes=src.nbytes, src=src)  # fmt: skip
+    host = torch.empty(src.nbytes, dtype=torch.uint8)
+    eng.start_offload(rec, src.view(torch.uint8), host)
+    eng.finish_offload(rec)
+    assert at_completion == [alone]  # only src itself: the worker's view is already gone
+    assert torch.equal(host.view(torch.float32), src)

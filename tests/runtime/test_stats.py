@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 
@@ -89,23 +92,77 @@ def test_snapshot_has_every_documented_figure():
         "copy_seconds",
         "offload_calls",
         "fallbacks",
-        "resident_saved_bytes",
+        "fallback_bytes",
         "pool_bytes",
         "pinned_bytes",
         "pool_high_water_bytes",
         "pool_hits",
         "pool_misses",
         "host_allocations",
+        "graphs",
+        "planned_kept_bytes",
+        "planned_peak_bytes",
     }
+
+
+def _payload(name: str, budget=None, peak=None, spec=None) -> str:
+    return json.dumps(
+        {"name": name, "budget_bytes": budget, "resident_peak_bytes": peak, "options": {"memory_budget": spec}}
+    )
 
 
 def test_note_saved_counts_each_storage_once():
     base = torch.randn(16, 16)
     other = torch.randn(7, dtype=torch.bfloat16)
-    OPS.note_saved([base, base[2:], base.t(), other, other[1:]], "")
-    assert stats.snapshot()["resident_saved_bytes"] == base.nbytes + other.nbytes
-    OPS.note_saved([], "")
-    assert stats.snapshot()["resident_saved_bytes"] == 0
+    OPS.note_saved([base, base[2:], base.t(), other, other[1:]], _payload("g"))
+    assert stats.snapshot()["graphs"]["g"]["planned_kept_bytes"] == base.nbytes + other.nbytes
+    OPS.note_saved([], _payload("g"))
+    assert stats.snapshot()["graphs"]["g"]["planned_kept_bytes"] == 0
+
+
+def test_each_graph_keeps_its_own_figures_and_the_step_adds_them_up():
+    a, b = torch.randn(100), torch.randn(30)
+    OPS.note_saved([a], _payload("first", budget=1000, peak=400))
+    h = OPS.offload(torch.randn(64))  # runs between the notes: the second graph's offload
+    OPS.note_saved([b], _payload("second", budget=1000, peak=120))
+    OPS.note_saved([a], _payload("first", budget=1000, peak=400))  # a second step
+    snap = stats.snapshot()
+    first, second = snap["graphs"]["first"], snap["graphs"]["second"]
+    assert (first["runs"], first["planned_kept_bytes"], first["offloaded_bytes"]) == (2, 400, 0)
+    assert (second["runs"], second["planned_kept_bytes"], second["offloaded_bytes"]) == (1, 120, 256)
+    assert (first["planned_peak_bytes"], first["budget_bytes"]) == (400, 1000)
+    assert snap["planned_kept_bytes"] == 520
+    assert snap["planned_peak_bytes"] == 520
+    del h
+
+
+def test_fallbacks_are_counted_in_bytes_per_graph_and_warned_once_with_the_figures():
+    pool.set_pool_cap(0)
+    src = torch.randn(1000)
+    with pytest.warns(pool.HostMemoryWarning) as caught:
+        handles = [OPS.offload(src), OPS.offload(src[:500])]
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "4000 bytes" in message and "cap of 0 bytes" in message and "fallback_bytes" in message
+    OPS.note_saved([], _payload("g"))
+    snap = stats.snapshot()
+    assert (snap["fallbacks"], snap["fallback_bytes"], snap["offloaded_bytes"]) == (2, 6000, 0)
+    assert snap["graphs"]["g"]["fallback_bytes"] == 6000
+    for h, want in zip(handles, (src, src[:500]), strict=True):
+        assert torch.equal(OPS.wait(h, h, list(want.shape), [1], torch.float32, src.device), want)
+
+
+def test_a_byte_budget_overrun_at_run_time_is_warned_once_with_the_figures():
+    big = torch.randn(512)
+    with pytest.warns(stats.BudgetOverrunWarning, match=r"kept 2048 bytes.*memory_budget=1000 bytes.*\[512\]"):
+        OPS.note_saved([big], _payload("g", budget=1000, peak=900, spec=1000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OPS.note_saved([big], _payload("g", budget=1000, peak=900, spec=1000))  # once
+        # A fraction is a fraction of each size's own baseline; the guard handles it.
+        OPS.note_saved([big], _payload("h", budget=1000, peak=900, spec=0.5))
+        # A plan that was already over its budget was reported when it was compiled.
+        OPS.note_saved([big], _payload("i", budget=1000, peak=3000, spec=1000))
 
 
 def test_plan_payloads_are_ordered_and_deduplicated_by_value():

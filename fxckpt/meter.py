@@ -1,0 +1,226 @@
+"""Measure the memory a call really uses, from the allocator's own accounting.
+
+``fxckpt.measure(model, *inputs)`` runs one call and reports what it left allocated and its
+peak. Nothing here reads a plan or fxckpt's counters: this is the yardstick plans are checked
+against, so it must not share their mistakes.
+
+- **CPU.** torch's CPU allocator keeps no counters Python can read; it reports every
+  allocation and free to the profiler while memory profiling is on. The meter records those
+  reports, and only those (no op events), for the calling thread, and pairs frees with
+  allocations by address. On the CPU, fxckpt's host memory (the pool's buffers and the
+  offload handles) lives in the same memory as the "device"; on a GPU it would be host
+  memory, so the meter leaves it out, by address.
+- **CUDA.** ``torch.cuda.memory_allocated`` before and after the call, and
+  ``max_memory_allocated`` over it, with the peak reset at the start. Host memory, pinned or
+  not, is not in those figures.
+
+Only tensors allocated during the call count, so what it left behind is the difference it
+made: saved activations, outputs, anything a runtime still holds. Memory freed during the call
+that existed before it is not credited on the CPU (the profiler reports only frees of blocks it
+saw allocated); on CUDA it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxckpt import _torch_compat as compat
+from fxckpt.errors import FxckptError
+
+CPU_SOURCE = "torch CPU allocator events (profiler memory reports, calling thread)"
+CUDA_SOURCE = "torch.cuda.memory_allocated / max_memory_allocated"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one call did to the memory of ``device``.
+
+    - ``resident_bytes``: allocated during the call and still allocated after it. For a
+      forward, what it left resident: saved activations, outputs, anything held for backward.
+    - ``peak_bytes``: the most bytes allocated during the call and live at once, above the
+      level at its start.
+    - ``output_bytes``: storages of the tensors the call returned on ``device``, each once.
+    - ``held_bytes``: ``resident_bytes - output_bytes``: what the call keeps alive beyond what
+      it returns (for a training forward: what waits for the backward).
+    """
+
+    device: str
+    resident_bytes: int
+    peak_bytes: int
+    output_bytes: int
+    source: str
+    output: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.resident_bytes - self.output_bytes
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {
+            "device": self.device,
+            "resident_bytes": self.resident_bytes,
+            "peak_bytes": self.peak_bytes,
+            "output_bytes": self.output_bytes,
+            "held_bytes": self.held_bytes,
+            "source": self.source,
+        }
+
+
+def net_allocations(
+    events: Iterable[tuple[int, int, int, str]], device_type: str, exclude: set[int] = frozenset()  # type: ignore[assignment]
+) -> tuple[dict[int, int], int]:
+    """From allocator events in time order, the blocks still live (address -> bytes) and the
+    peak of the live total. Frees of blocks allocated before the events began are skipped;
+    addresses in ``exclude`` (host pool buffers) are left out entirely."""
+    live: dict[int, int] = {}
+    now = peak = 0
+    for _, ptr, nbytes, dev in events:
+        if dev != device_type or ptr in exclude:
+            continue
+        if nbytes > 0:
+            # An address seen allocated twice without a free: the free came from a thread the
+            # events do not cover. The newer block replaces the older one.
+            now += nbytes - live.get(ptr, 0)
+            live[ptr] = nbytes
+        else:
+            now -= live.pop(ptr, 0)
+        peak = max(peak, now)
+    return live, peak
+
+
+class CudaCounters:
+    """The CUDA memory statistics the meter reads; tests substitute a fake."""
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def reset_peak(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def allocated(self, device: torch.device) -> int:
+        return int(torch.cuda.memory_allocated(device))
+
+    def max_allocated(self, device: torch.device) -> int:
+        return int(torch.cuda.max_memory_allocated(device))
+
+
+def _host_ptrs() -> set[int]:
+    # From the runtime, not its counters or plans: which addresses are fxckpt's host memory
+    # (pool buffers, offload handles), which on a GPU would not be device memory at all.
+    from fxckpt.runtime.ops import handle_ptrs
+    from fxckpt.runtime.pool import host_buffer_ptrs
+
+    return host_buffer_ptrs("cpu") | handle_ptrs()
+
+
+def _output_bytes(output: Any, device: torch.device, live: dict[int, int] | None) -> int:
+    seen: dict[int, int] = {}
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and _same_device(leaf.device, device):
+            storage = leaf.untyped_storage()
+            ptr = storage.data_ptr()
+            if live is None or ptr in live:
+                seen[ptr] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+class Meter:
+    """``with fxckpt.Meter("cpu") as m: ...``; then ``m.result`` is a :class:`Measurement`.
+
+    Call :meth:`set_output` inside the block to have ``output_bytes`` counted.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, cuda: CudaCounters | None = None) -> None:
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise FxckptError(
+                f"fxckpt.measure: device {str(dev)!r} has no memory meter; measure on 'cpu' or 'cuda'"
+            )
+        if dev.type == "cuda" and dev.index is None and cuda is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self._cuda = cuda if cuda is not None else (CudaCounters() if dev.type == "cuda" else None)
+        self._output: Any = None
+        self._start = 0
+        self.result: Measurement | None = None
+
+    def set_output(self, output: Any) -> None:
+        self._output = output
+
+    def __enter__(self) -> Meter:
+        if self._cuda is not None:
+            self._cuda.synchronize(self.device)
+            self._cuda.reset_peak(self.device)
+            self._start = self._cuda.allocated(self.device)
+        else:
+            if compat.profiler_enabled():
+                raise FxckptError(
+                    "fxckpt.measure: a torch profiler is already recording on this thread, and "
+                    "the CPU meter needs the profiler's memory reports itself; measure outside "
+                    "the profiler session"
+                )
+            compat.start_memory_events()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._cuda is not None:
+            self._cuda.synchronize(self.device)
+            end = self._cuda.allocated(self.device)
+            peak = self._cuda.max_allocated(self.device) - self._start
+            resident = end - self._start
+            out = _output_bytes(self._output, self.device, None)
+            source = CUDA_SOURCE
+        else:
+            events = compat.stop_memory_events()
+            if kind is not None:
+                return
+            live, peak = net_allocations(events, "cpu", _host_ptrs())
+            resident = sum(live.values())
+            out = _output_bytes(self._output, self.device, live)
+            source = CPU_SOURCE
+        if kind is None:
+            self.result = Measurement(
+                str(self.device), resident, peak, out, source, self._output
+            )
+
+
+def _device_of(fn: Callable[..., Any], args: Any) -> torch.device:
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            return leaf.device
+    if isinstance(fn, torch.nn.Module):
+        for p in fn.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def measure(
+    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None, **kwargs: Any
+) -> Measurement:
+    """Call ``fn(*args, **kwargs)`` once and measure its memory on ``device``.
+
+    ``device`` defaults to that of the first tensor among the arguments, else of ``fn``'s
+    first parameter when it is a module, else the CPU. The result keeps the call's return value
+    as ``output`` (a loss, say, whose ``backward()`` you still want to run).
+
+    Measure a warm call: the first call of a compiled model compiles, and its allocations
+    would count. On the CPU only the calling thread's allocations are seen.
+    """
+    dev = torch.device(device) if device is not None else _device_of(fn, (args, kwargs))
+    meter = Meter(dev)
+    with meter:
+        meter.set_output(fn(*args, **kwargs))
+    assert meter.result is not None
+    return meter.result

@@ -1,0 +1,290 @@
+"""Dynamic shapes and the memory budget: one plan per range of sizes it holds for.
+
+Under dynamic shapes one compiled graph serves every length of a dimension, but a plan is
+made with numbers. The rule:
+
+1. **A range with an end: plan for its longest length.** A size symbol with an upper bound
+   (``torch._dynamo.mark_dynamic(t, dim, max=N)``, or a range dynamo derived) is planned at
+   that bound. Saved bytes grow with the length, so a byte budget that fits there fits every
+   shorter length; where none fits, the budget is infeasible at that length (``BudgetError``
+   at compile time, naming it). dynamo refuses a guard that narrows a range the user marked
+   (``ConstraintViolationError``), so one graph must serve it all: a fraction is checked at
+   both ends of the range, and a warning names the end, the bytes and the budget where it
+   fails.
+2. **Otherwise guard the sizes the plan holds for.** The plan is made for this call's sizes,
+   and a guard is installed in dynamo's shape environment that is true exactly while the
+   plan's resident bytes stay within the budget:
+   - a byte budget ``B``: ``resident(s) <= B``;
+   - a fraction ``f``: ``resident(s) <= f * baseline(s)``, each length's own baseline (what
+     plain min-cut saves at that length).
+   A call outside that range fails the guard; dynamo compiles the graph again for the new
+   sizes, and fxckpt makes a new plan for them (or raises ``BudgetError`` naming them).
+
+``resident(s)`` is the plan's resident saved bytes as polynomials in the size symbols, one
+per position of the step where the peak can fall: positions whose polynomial another
+position's bounds term by term can never hold the peak, so only the others are guarded.
+Copy timings are those of the planning sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxckpt._torch_compat import (
+    free_unbacked,
+    symbol_hints,
+    symbol_lower_bound,
+    symbol_upper_bound,
+)
+from fxckpt.graph.activations import SavedActivation
+from fxckpt.graph.memory import Problem, residency
+from fxckpt.graph.sizes import (
+    concrete,
+    describe,
+    planning_at,
+    planning_values,
+    size_symbols,
+)
+from fxckpt.options import Options
+
+log = logging.getLogger(__name__)
+
+# More sets than this on the frontier are merged into their union: one guard that still holds
+# wherever every one of them would (it only recompiles sooner).
+MAX_GUARDS = 8
+
+Poly = dict[Any, Any]  # term -> coefficient, from sympy
+
+
+def _byte_budget(options: Options) -> bool:
+    budget = options.memory_budget
+    return isinstance(budget, int) or budget == "auto"
+
+
+def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options) -> dict[sympy.Symbol, int]:
+    """The size symbols a budget is planned at, with the bound each is planned at."""
+    if options.memory_budget is None:
+        return {}
+    env, symbols = size_symbols(_placeholder_vals(joint))
+    if env is None:
+        return {}
+    hints = symbol_hints(env)
+    out = {}
+    for s in symbols:
+        upper = symbol_upper_bound(env, s)
+        if upper is not None and upper > int(hints.get(s, upper)):
+            out[s] = upper
+    return out
+
+
+def plan_for_longest(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run the partitioner ``fn(joint, joint_inputs, options, ...)`` with sizes read at the
+    upper bounds :func:`upper_bounds_to_plan_for` finds."""
+
+    @functools.wraps(fn)
+    def wrapper(joint: fx.GraphModule, joint_inputs: Any, options: Options, **kwargs: Any) -> Any:
+        bounds = upper_bounds_to_plan_for(joint, options)
+        if bounds:
+            log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
+        with planning_at(bounds):
+            return fn(joint, joint_inputs, options, **kwargs)
+
+    return wrapper
+
+
+def _placeholder_vals(gm: fx.GraphModule) -> list[Any]:
+    return [
+        v
+        for n in gm.graph.find_nodes(op="placeholder")
+        if isinstance(v := n.meta.get("val"), torch.Tensor | torch.SymInt)
+    ]
+
+
+def _poly(expr: Any) -> Poly:
+    if not isinstance(expr, sympy.Expr):
+        return {sympy.Integer(1): sympy.Integer(int(expr))}
+    return dict(sympy.expand(expr).as_coefficients_dict())
+
+
+def _dominates(a: Poly, b: Poly) -> bool:
+    """``a(s) >= b(s)`` for every size: each term's coefficient is at least as large."""
+    return all(a.get(t, 0) >= c for t, c in b.items()) and all(
+        c >= 0 for t, c in a.items() if t not in b
+    )
+
+
+def peak_candidates(
+    problem: Problem, kinds: Sequence[str], d2h_done: Sequence[int], issue: Sequence[int],
+    sym_bytes: Sequence[Any],
+) -> list[set[int]]:
+    """Sets of candidates resident together at the positions where the peak can fall, for
+    any sizes: the other positions' resident polynomials are bounded term by term by one of
+    these."""
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        for a, b in residency(problem, i, kind, d2h_done[i], issue[i]):
+            starts.setdefault(a, []).append(i)
+            ends.setdefault(b + 1, []).append(i)
+    polys = [_poly(_expr(b)) for b in sym_bytes]
+    live: set[int] = set()
+    snapshots: list[tuple[frozenset[int], Poly]] = []
+    for t in sorted(set(starts) | set(ends)):
+        for i in ends.get(t, ()):
+            live.discard(i)
+        for i in starts.get(t, ()):
+            live.add(i)
+        if t in starts and live:
+            total: Poly = {}
+            for i in live:
+                for term, c in polys[i].items():
+                    total[term] = total.get(term, 0) + c
+            snapshots.append((frozenset(live), total))
+    frontier: list[tuple[frozenset[int], Poly]] = []
+    for members, p in snapshots:
+        if any(_dominates(q, p) for _, q in frontier):
+            continue
+        frontier = [(m, q) for m, q in frontier if not _dominates(p, q)]
+        frontier.append((members, p))
+    return [set(m) for m, _ in frontier]
+
+
+def _expr(v: Any) -> Any:
+    return v.node.expr if isinstance(v, torch.SymInt) else int(v)
+
+
+def _storage_nbytes(gm: fx.GraphModule, acts: Iterable[SavedActivation]) -> dict[str, Any]:
+    """Bytes of each storage as the graph computes them: a SymInt under dynamic shapes.
+
+    Only sizes of the graph's inputs can be guarded. A size symbol of anything else (the CPU
+    generator state a recomputed random op saves is fakeified with a size of its own under
+    ``dynamic=True``) has no input to test, so it is read at its hint, a constant.
+    """
+    _, guardable = size_symbols(_placeholder_vals(gm))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, Any] = {}
+    for a in acts:
+        if a.storage not in out:
+            nbytes = nodes[a.name].meta["val"].untyped_storage().nbytes()
+            if isinstance(nbytes, torch.SymInt) and not nbytes.node.expr.free_symbols <= guardable:
+                nbytes = concrete(nbytes)
+            out[a.storage] = nbytes
+    return out
+
+
+def guard_budget(
+    *,
+    problem: Problem,
+    kinds: Sequence[str],
+    d2h_done: Sequence[int],
+    prefetch_issue: Sequence[int],
+    storage_keys: Sequence[str],
+    fw: fx.GraphModule,
+    final: Sequence[SavedActivation],
+    baseline_fw: fx.GraphModule,
+    baseline: Sequence[SavedActivation],
+    options: Options,
+    budget: int | None,
+    graph_name: str,
+) -> list[str]:
+    """Install the guards of rule 2 (module docstring); returns notes for the plan."""
+    if budget is None:
+        return []
+    sym = _storage_nbytes(fw, final)
+    sym_bytes = [sym[k] for k in storage_keys]
+    if not any(isinstance(b, torch.SymInt) for b in sym_bytes):
+        return []
+    env = next(b.node.shape_env for b in sym_bytes if isinstance(b, torch.SymInt))
+    sets = peak_candidates(problem, kinds, d2h_done, prefetch_issue, sym_bytes)
+    totals = [torch.sym_sum([sym_bytes[i] for i in sorted(m)]) for m in sets]
+    if _byte_budget(options):
+        bound: Any = budget
+        scale = 1
+        what = f"memory_budget={budget} bytes"
+    else:
+        fraction = Fraction(str(options.memory_budget))
+        base = _storage_nbytes(baseline_fw, baseline)
+        bound = torch.sym_sum(list(base.values())) * fraction.numerator
+        scale = fraction.denominator
+        what = f"memory_budget={options.memory_budget} of each length's baseline"
+    if len(sets) > MAX_GUARDS:
+        # Every candidate's bytes are >= 0 at any size, so the union's bytes bound each set's.
+        totals = [torch.sym_sum([sym_bytes[i] for i in sorted(set().union(*sets))])]
+    hints = symbol_hints(env)
+    guarded = checked = 0
+    failures: list[tuple[int, int, str]] = []
+    for total in totals:
+        cond = total * scale <= bound
+        if not isinstance(cond, torch.SymBool):
+            continue
+        expr = cond.node.expr
+        if not expr.free_symbols or free_unbacked(expr) or not bool(expr.xreplace(hints)):
+            # Known true for every size; or not testable; or not true at the planning sizes
+            # themselves (a plan over its budget, already reported): no guard.
+            continue
+        fixed = {s: u for s in expr.free_symbols if (u := symbol_upper_bound(env, s)) is not None}
+        if fixed:
+            # A guard that narrows a range the user marked dynamic is refused by dynamo
+            # (ConstraintViolationError): one graph serves the whole range, so check its ends.
+            failures += _fails_at_range_ends(env, expr, total * scale, bound, scale, fixed)
+            checked += 1
+            continue
+        bool(cond)  # evaluating a SymBool installs it as a guard on the compiled graph
+        guarded += 1
+    notes = []
+    if guarded:
+        notes.append(f"guarded to sizes where the plan meets {what} ({guarded} condition(s)); "
+                     "other sizes compile a new plan")
+    if checked and not failures:
+        notes.append(f"meets {what} at both ends of the range fixed by mark_dynamic")
+    if failures:
+        kept, allowed, at = max(failures)
+        warnings.warn(
+            f"fxckpt[{graph_name}]: at {at}, an end of the range fixed by mark_dynamic, the "
+            f"plan keeps {kept} bytes resident where {what} allows {allowed}. One graph serves "
+            "the whole range, so it cannot be re-planned there; narrow the range, or use a "
+            "byte memory_budget (planned for the longest length).",
+            stacklevel=2,
+        )
+        notes.append(f"over {what} at {at}: {kept} bytes against {allowed}")
+    return notes
+
+
+def _fails_at_range_ends(
+    env: Any, expr: Any, lhs: Any, rhs: Any, scale: int, upper: dict[Any, int]
+) -> list[tuple[int, int, str]]:
+    """``(kept bytes, allowed bytes, sizes)`` at each end of the fixed range where ``expr``
+    fails. A budget was planned at the upper end, where it holds unless infeasible."""
+    hints = symbol_hints(env)
+    out = []
+    for end in (upper, {s: symbol_lower_bound(env, s) for s in upper}):
+        values = {s: sympy.Integer(v) for s, v in end.items()}
+        if not bool(expr.xreplace(values).xreplace(hints)):
+            out.append((_at(lhs, values, hints) // scale, _at(rhs, values, hints) // scale, describe(env, end)))
+    return out
+
+
+def _at(v: Any, values: dict[Any, Any], hints: dict[Any, Any]) -> int:
+    expr = v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
+    return int(expr.xreplace(values).xreplace(hints))
+
+
+def sizes_note(joint: fx.GraphModule) -> str:
+    """``L['idx'].size()[1]=512 (upper bound)``: the sizes a plan is made for, or ""."""
+    env, symbols = size_symbols(_placeholder_vals(joint))
+    if env is None:
+        return ""
+    bounds = planning_values()
+    hints = symbol_hints(env)
+    values = {s: bounds.get(s, int(hints[s])) for s in symbols if s in hints or s in bounds}
+    text = describe(env, values)
+    return f"{text} (upper bound)" if bounds else text

@@ -1,0 +1,31 @@
+"""Measure what a compiled model's forward leaves on the device, with fxckpt's meter.
+
+The meter reads the allocator, never a plan, so these figures can disagree with the plan:
+that is what they are for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import fxckpt
+
+
+def _call(compiled: Any, inputs: Any) -> Any:
+    return compiled(**inputs) if isinstance(inputs, dict) else compiled(*inputs)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return out.loss if hasattr(out, "loss") else out
+
+
+def measure_forward(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.Measurement:
+    """One forward of ``compiled`` measured (after a warm-up step unless ``warm=False``), then
+    its backward, so nothing it saved outlives the call."""
+    if warm:
+        _loss(_call(compiled, inputs)).backward()
+    m = fxckpt.measure(lambda: _call(compiled, inputs))
+    _loss(m.output).backward()
+    return m
