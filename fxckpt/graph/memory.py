@@ -3,11 +3,18 @@
 The simulator works on plain numbers (:class:`Problem`) so that solvers and their tests never
 touch fx. A step is ``T`` timeline positions: forward nodes ``0..F-1``, then backward nodes
 ``F..T-1``; node ``t`` runs during ``[S[t], S[t+1])`` where ``S`` is the prefix sum of
-``step_ms``. Residency of one saved tensor, by choice:
+``step_ms``.
 
-- keep: ``[produced, last_bw_use]``;
+A saved tensor counts while it is held *for the backward*: from the end of its last forward
+use on. Until then the forward itself needs it, whatever the plan says, exactly as it needs
+the activations no one saves; counting that stretch would charge keep and offload for the
+forward's working set while recompute (and a segment's interior) went free. Residency of
+one saved tensor, by choice:
+
+- keep: ``[last_fw_use + 1, last_bw_use]``;
 - recompute: ``[first_bw_use, last_bw_use]`` (rebuilt right before its first backward use);
-- offload: ``[produced, max(last_fw_use, d2h_done)]`` and ``[prefetch_issue, last_bw_use]``.
+- offload: ``[last_fw_use + 1, d2h_done]`` (the copy still reading it) and
+  ``[prefetch_issue, last_bw_use]``.
 
 Copies run on two serial FIFO channels. D2H copies start when their tensor is produced
 (``S[produced+1]``), in production order; the forward waits at its end for any copy still
@@ -17,7 +24,9 @@ order) but never before the backward starts, ``S[F]``; what would have to start 
 exposed, and ``prefetch_issue`` is the position whose node is running when the copy must
 start. With ``prefetch="jit"`` every prefetch is issued at ``first_bw_use`` and fully exposed.
 Both exposed totals are max-plus expressions of the offloaded set, so adding an offload never
-lowers them.
+lowers them. Each offload also pays ``Timeline.copy_overhead_ms``: the compute thread's own
+time to issue its four runtime ops and hand its two copies to the engine, which no compute
+hides.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Timeline:
     num_forward: int
     bandwidth_bytes_per_ms: float = math.inf
     fixed_resident: Sequence[int] | None = None  # saved bytes that are not candidates
+    copy_overhead_ms: float = 0.0  # host time per offloaded tensor, never hidden
 
     @property
     def num_positions(self) -> int:
@@ -105,6 +115,8 @@ class Problem:
             raise ValueError("fixed_resident needs one entry per position")
         if not tl.bandwidth_bytes_per_ms > 0:
             raise ValueError("bandwidth_bytes_per_ms must be > 0")
+        if not (tl.copy_overhead_ms >= 0 and math.isfinite(tl.copy_overhead_ms)):
+            raise ValueError("copy_overhead_ms must be finite and >= 0")
         fields = (c.produced, c.last_fw_use, c.first_bw_use, c.last_bw_use, c.recompute_ms)
         if any(len(f) != n for f in (*fields, c.can_offload)) or (
             c.forced is not None and len(c.forced) != n
@@ -133,6 +145,11 @@ class Problem:
     def copy_ms(self, i: int) -> float:
         return self.candidates.bytes[i] / self.timeline.bandwidth_bytes_per_ms
 
+    def offload_fixed_ms(self, i: int) -> float:
+        """What offloading ``i`` costs besides exposed copy time: the per-copy overhead and
+        the small per-byte price that keeps free offloads from being taken when keeping fits."""
+        return self.timeline.copy_overhead_ms + OFFLOAD_PRICE_MS_PER_BYTE * self.candidates.bytes[i]
+
 
 @dataclass(frozen=True)
 class SimResult:
@@ -143,7 +160,7 @@ class SimResult:
     prefetch_issue: list[int]  # -1 where not offloaded
     exposed_ms: list[float]  # copy time not hidden by compute, per candidate
     hide_ms: list[float]  # compute available to hide each candidate's copies
-    cost_ms: float  # estimated added step time: recompute + exposed copies + offload price
+    cost_ms: float  # estimated added step time: recompute + exposed copies + per-copy costs
 
 
 def done_position(S: Sequence[float], F: int, produced: int, end: float) -> int:
@@ -185,11 +202,13 @@ def residency(problem: Problem, i: int, choice: str, done: int = -1, issue: int 
               ) -> list[tuple[int, int]]:
     """Inclusive position intervals where candidate ``i`` is resident under ``choice``."""
     c = problem.candidates
+    lf = c.last_fw_use[i]
     if choice == "keep":
-        return [(c.produced[i], c.last_bw_use[i])]
+        return [(lf + 1, c.last_bw_use[i])]
     if choice == "recompute":
         return [(c.first_bw_use[i], c.last_bw_use[i])]
-    return [(c.produced[i], max(c.last_fw_use[i], done)), (issue, c.last_bw_use[i])]
+    copying = [(lf + 1, done)] if done > lf else []
+    return [*copying, (issue, c.last_bw_use[i])]
 
 
 def offload_schedule(problem: Problem, S: Sequence[float], offloaded: Sequence[int],
@@ -240,7 +259,7 @@ def simulate(problem: Problem, choices: Sequence[str], *, prefetch: Prefetch = "
         if ch == "recompute":
             cost += c.recompute_ms[i]
         elif ch == "offload":
-            cost += exp[i] + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+            cost += exp[i] + problem.offload_fixed_ms(i)
     fixed = tl.fixed_resident if tl.fixed_resident is not None else [0] * T
     resident = [f + r for f, r in zip(fixed, accumulate(diff[:T]), strict=True)]
     peak = max(resident, default=0)
@@ -399,7 +418,7 @@ class IncrementalSim:
         if not self.jit:
             self.htree.set(self.hslot[i], -self.S[c.first_bw_use[i]], self.d[i], on)
         sign = 1 if on else -1
-        self.price += sign * OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+        self.price += sign * self.pb.offload_fixed_ms(i)
         self.jit_ms += sign * self.d[i] if self.jit else 0.0
 
     @property
@@ -457,7 +476,7 @@ class IncrementalSim:
         else:
             neg_start = self.htree.root_if(self.hslot[x], -self.S[c.first_bw_use[x]], d, on)
             h2d = max(0.0, self.SF + neg_start)
-        after = (self.rec + self.price + sign * OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[x]
+        after = (self.rec + self.price + sign * self.pb.offload_fixed_ms(x)
                  + max(0.0, d2h - self.SF) + h2d)
         return after - self.cost
 

@@ -212,12 +212,12 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
         if c.forced_of(i) is not None or c.bytes[i] <= 0:
             continue
         if math.isfinite(c.recompute_ms[i]):
-            initial.append(((c.recompute_ms[i] / c.bytes[i], i, _RECOMPUTE, 0), c.produced[i],
-                            c.first_bw_use[i] - 1))
+            initial.append(((c.recompute_ms[i] / c.bytes[i], i, _RECOMPUTE, 0),
+                            c.last_fw_use[i] + 1, c.first_bw_use[i] - 1))
             live[2 * i + _RECOMPUTE] = 0
         if c.can_offload[i]:
             done, issue, exp = isolated_offload(problem, S, i, prefetch)
-            key = (exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]) / c.bytes[i]
+            key = (exp + problem.offload_fixed_ms(i)) / c.bytes[i]
             initial.append(((key, i, _OFFLOAD, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
             live[2 * i + _OFFLOAD] = 0
     for entry, lo, hi in sorted(initial):
@@ -257,7 +257,7 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
                     continue
                 opts.append((e, node, exact, spans))
             else:
-                opts.append((e, node, c.recompute_ms[i], [(c.produced[i], fbu - 1)]))
+                opts.append((e, node, c.recompute_ms[i], [(c.last_fw_use[i] + 1, fbu - 1)]))
         if not opts:
             break
         # Of the cheapest-per-byte options, take the one with the least cost per byte of peak
@@ -364,7 +364,7 @@ def _brute(problem: Problem, budget: int, prefetch: str) -> list[str]:
         for i in chosen:
             base = [x + y for x, y in zip(base, vec(residency(problem, i, "offload", done[i],
                                                               issue[i]), c.bytes[i]), strict=True)]
-            cost0 += OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+            cost0 += problem.offload_fixed_ms(i)
         rest = [i for i in range(n) if i not in done]
         opts = [[ch for ch in ("keep", "recompute") if ch in allowed[i]] for i in rest]
         for combo in product(*opts):
@@ -434,10 +434,10 @@ def _milp_once(problem: Problem, budget: int, allkeep: list[int],
     for i, (done, issue, exposed) in enumerate(timing):
         allowed = c.allowed(i)
         obj[i] = c.recompute_ms[i] if math.isfinite(c.recompute_ms[i]) else 0.0
-        obj[n + i] = exposed + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
+        obj[n + i] = exposed + problem.offload_fixed_ms(i)
         hi[i], hi[n + i] = "recompute" in allowed, "offload" in allowed
         lo[i], lo[n + i] = allowed == ("recompute",), allowed == ("offload",)
-        spans[i] = (c.produced[i], c.first_bw_use[i] - 1)
+        spans[i] = (c.last_fw_use[i] + 1, c.first_bw_use[i] - 1)
         if "offload" in allowed:
             spans[n + i] = (max(c.last_fw_use[i], done) + 1, issue - 1)
     # Positions between consecutive span ends share one covering set: keep the tightest row.
