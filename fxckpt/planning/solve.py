@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from itertools import pairwise, product
 
 from fxckpt.graph.memory import (
-    OFFLOAD_PRICE_MS_PER_BYTE,
     IncrementalSim,
     Problem,
     SimResult,
