@@ -83,7 +83,7 @@ class Solution:
         return frozenset(i for i, c in enumerate(self.choices) if c != "keep")
 
 
-def _finish(problem: Problem, choices: Sequence[str], budget: int | None, method: str,
+def make_solution(problem: Problem, choices: Sequence[str], budget: int | None, method: str,
             prefetch: str) -> Solution:
     sim = simulate(problem, choices, prefetch=prefetch)  # type: ignore[arg-type]
     return Solution(list(choices), sim.peak, sim.peak_at, sim.cost_ms,
@@ -110,15 +110,15 @@ def solve(problem: Problem, budget_bytes: int | None, *, method: str = "auto",
     if prefetch not in ("auto", "jit"):
         raise ValueError(f"prefetch={prefetch!r}; expected 'auto' or 'jit'")
     if budget_bytes is None:
-        return _finish(problem, _base(problem), None, "greedy" if method == "auto" else method,
+        return make_solution(problem, _base(problem), None, "greedy" if method == "auto" else method,
                        prefetch)
     if method == "brute":
-        return _finish(problem, _brute(problem, budget_bytes, prefetch), budget_bytes, "brute",
+        return make_solution(problem, _brute(problem, budget_bytes, prefetch), budget_bytes, "brute",
                        prefetch)
     if method == "milp":
         choices = _milp(problem, budget_bytes, prefetch)
         if choices is not None:
-            return _finish(problem, choices, budget_bytes, "milp", prefetch)
+            return make_solution(problem, choices, budget_bytes, "milp", prefetch)
     return greedy_curve(problem, prefetch).solution(budget_bytes)
 
 
@@ -184,7 +184,7 @@ class GreedyCurve:
 
     def solution(self, budget: int) -> Solution:
         k = next((k for k in self.frontier if self.points[k][0] <= budget), self.frontier[-1])
-        return _finish(self.problem, self.choices_at(k), budget, "greedy", self.prefetch)
+        return make_solution(self.problem, self.choices_at(k), budget, "greedy", self.prefetch)
 
 
 def greedy_curve(problem: Problem, prefetch: str = "auto") -> GreedyCurve:
