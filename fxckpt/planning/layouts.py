@@ -111,7 +111,7 @@ def apply(problem: Problem, blocks: Blocks, layout: Layout) -> Problem:
     start: dict[int, int] = {}
     for i, k in gone.items():
         start[k] = min(start.get(k, c.first_bw_use[i]), c.first_bw_use[i])
-    forced = list(c.forced) if c.forced is not None else [None] * len(c)
+    forced: list[str | None] = list(c.forced) if c.forced is not None else [None] * len(c)
     first = list(c.first_bw_use)
     rec = list(c.recompute_ms)
     for i, k in gone.items():
