@@ -102,8 +102,13 @@ def freed(blocks: Blocks, layout: Layout) -> dict[int, int]:
     return out
 
 
-def apply(problem: Problem, blocks: Blocks, layout: Layout) -> Problem:
-    """``problem`` as it looks with ``layout``'s blocks recomputed (see the module doc)."""
+def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt_resident: bool = True
+          ) -> Problem:
+    """``problem`` as it looks with ``layout``'s blocks recomputed (see the module doc).
+
+    ``rebuilt_resident=False``: the freed tensors count nothing, as in the budget's own
+    figure, which counts saved tensors only.
+    """
     gone = freed(blocks, layout)
     if not gone:
         return problem
@@ -114,11 +119,15 @@ def apply(problem: Problem, blocks: Blocks, layout: Layout) -> Problem:
     forced: list[str | None] = list(c.forced) if c.forced is not None else [None] * len(c)
     first = list(c.first_bw_use)
     rec = list(c.recompute_ms)
+    nbytes = list(c.bytes)
     for i, k in gone.items():
         forced[i], first[i], rec[i] = "recompute", start[k], 0.0
+        nbytes[i] = nbytes[i] if rebuilt_resident else 0
     return Problem(
         problem.timeline,
-        dataclasses.replace(c, first_bw_use=first, recompute_ms=rec, forced=forced),
+        dataclasses.replace(
+            c, bytes=nbytes, first_bw_use=first, recompute_ms=rec, forced=forced
+        ),
     )
 
 
@@ -196,7 +205,7 @@ def lower_bound(pb: Problem, budget: int, iso: Sequence[tuple[int, int, float]])
 
 
 def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto") -> Pick:
-    """The cheapest point of any layout that meets ``budget``; else the lowest peak reached.
+    """The cheapest point of any layout that meets ``budget``; else :func:`fallback`.
 
     Without ``blocks`` only the layout with no blocks is searched.
     """
@@ -206,7 +215,6 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
     iso = [isolated_offload(problem, S, i, prefetch) for i in range(len(problem))]
     ranked = sorted(range(len(options)), key=lambda k: (blocks_ms(facts, options[k]), k))
     best: tuple[float, int, int, Pick] | None = None
-    fallback: tuple[int, float, int, Layout] | None = None
     for k in ranked:
         layout = options[k]
         ms = blocks_ms(facts, layout)
@@ -214,27 +222,38 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
             break  # every later layout costs at least its blocks
         pb = apply(problem, facts, layout)
         bound = ms + lower_bound(pb, budget, iso)
-        if best is not None and (bound, k) > best[:2]:
-            continue
-        if math.isinf(bound):
-            low = simulate(pb, [pb.candidates.lowest(i) for i in range(len(pb))], prefetch=prefetch)  # type: ignore[arg-type]
-            if fallback is None or (low.peak, ms, k) < fallback[:3]:
-                fallback = (low.peak, ms, k, layout)
+        if math.isinf(bound) or (best is not None and (bound, k) > best[:2]):
             continue
         for j, sol in enumerate(_points(pb, budget, prefetch)):
-            if not sol.feasible:
-                continue
             key = (ms + sol.cost_ms, k, j)
-            if best is None or key < (best[0], best[1], best[2]):
-                best = (key[0], k, j, Pick(layout, pb, sol, ms, freed(facts, layout)))
+            if sol.feasible and (best is None or key < best[:3]):
+                best = (*key, Pick(layout, pb, sol, ms, freed(facts, layout)))
     if best is not None:
         return best[3]
-    if fallback is None:  # every layout's bound was beaten: cannot happen without a best
-        fallback = (0, 0.0, 0, NONE)
-    layout = fallback[3]
+    layout = fallback(problem, facts, options, prefetch)
     pb = apply(problem, facts, layout)
     sol = greedy_curve(pb, prefetch).solution(budget)
     return Pick(layout, pb, sol, blocks_ms(facts, layout), freed(facts, layout))
+
+
+def fallback(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str) -> Layout:
+    """Where no layout meets the budget: the one whose saved tensors reach the lowest peak.
+
+    The peak counts saved tensors only, as the budget does; rebuilt ones are left out, which
+    is why longer segments, whose rebuilt interiors that count would leave out the most, are
+    not offered here: one-block segments, as many as it takes (ties: fewer blocks).
+    """
+    found: tuple[int, float, int, Layout] | None = None
+    for k, layout in enumerate(options):
+        if layout.kind == "stride":
+            continue
+        pb = apply(problem, blocks, layout, rebuilt_resident=False)
+        c = pb.candidates
+        low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch)  # type: ignore[arg-type]
+        key = (low.peak, blocks_ms(blocks, layout), k, layout)
+        if found is None or key[:3] < found[:3]:
+            found = key
+    return found[3] if found is not None else NONE
 
 
 def _points(pb: Problem, budget: int, prefetch: str) -> list[Solution]:
