@@ -12,9 +12,10 @@ so a long segment is charged for rebuilding many blocks at once.
 the solver's added ms) whose peak meets the budget; also offered, per layout, the plan that
 offloads everything it may. Points are ranked in one fixed order (cost, layout, point) that
 does not depend on the budget, so as the budget shrinks the answer moves along that order:
-its cost never falls and its peak never rises. Layouts are visited cheapest first and skipped
-once a lower bound on what they can cost (block ms plus a fractional knapsack at the tightest
-positions) passes the best found, which leaves the answer unchanged.
+its cost never falls and its peak never rises. Layouts are visited best-first by a lower bound
+on what they can cost (block ms, then block ms plus a fractional knapsack at the tightest
+positions), and the search stops once the next bound passes the best plan found, which
+leaves the answer unchanged.
 
 Plain numbers only, as in :mod:`fxckpt.planning.solve`.
 """
@@ -22,6 +23,7 @@ Plain numbers only, as in :mod:`fxckpt.planning.solve`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -213,16 +215,23 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
     facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
     S = problem.prefix_ms()
     iso = [isolated_offload(problem, S, i, prefetch) for i in range(len(problem))]
-    ranked = sorted(range(len(options)), key=lambda k: (blocks_ms(facts, options[k]), k))
+    # Best-first over lower bounds: a layout's block time bounds what it can cost, and its
+    # knapsack bound (computed when that layout comes up) bounds it tighter. A layout runs
+    # the greedy only when its bound comes up below the best plan found so far.
+    queue = [(blocks_ms(facts, layout), k, False) for k, layout in enumerate(options)]
+    heapq.heapify(queue)
     best: tuple[float, int, int, Pick] | None = None
-    for k in ranked:
+    while queue:
+        bound, k, tight = heapq.heappop(queue)
+        if best is not None and (bound, k) > best[:2]:
+            break  # nothing left can beat it
         layout = options[k]
         ms = blocks_ms(facts, layout)
-        if best is not None and (ms, k) > best[:2]:
-            break  # every later layout costs at least its blocks
         pb = apply(problem, facts, layout)
-        bound = ms + lower_bound(pb, budget, iso)
-        if math.isinf(bound) or (best is not None and (bound, k) > best[:2]):
+        if not tight:
+            bound = ms + lower_bound(pb, budget, iso)
+            if math.isfinite(bound):
+                heapq.heappush(queue, (bound, k, True))
             continue
         for j, sol in enumerate(_points(pb, budget, prefetch)):
             key = (ms + sol.cost_ms, k, j)
