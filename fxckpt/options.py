@@ -250,7 +250,7 @@ class Options:
     @property
     def explicit(self) -> frozenset[str]:
         """The names of the options the caller set, defaults left out."""
-        return self._explicit  # type: ignore[attr-defined,no-any-return]
+        return frozenset(self._explicit)  # type: ignore[attr-defined]
 
     def is_explicit(self, name: str) -> bool:
         return name in self.explicit
@@ -291,7 +291,9 @@ _dataclass_init = Options.__init__
 
 def _init_recording_explicit(self: Options, **kwargs: Any) -> None:
     _dataclass_init(self, **kwargs)
-    object.__setattr__(self, "_explicit", frozenset(kwargs))  # the dataclass is frozen
+    # A sorted tuple, not a set: Inductor pickles the options into its cache key, and a set of
+    # strings pickles in an order that changes from one process to the next.
+    object.__setattr__(self, "_explicit", tuple(sorted(kwargs)))  # the dataclass is frozen
 
 
 # The generated __init__ cannot tell a default from the same value passed on purpose; the
