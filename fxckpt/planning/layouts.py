@@ -3,19 +3,24 @@
 A *layout* is a set of recompute segments over the repeated blocks: none, the first ``k`` of
 the blocks in cost order as one-block segments (``k`` of ``N``, not a fixed ladder), or every
 block in segments of ``s`` (what ``segment_stride=s`` would do). Each layout changes the
-problem the greedy solves: a recomputed block's saved tensors are no longer saved. Here they
-become forced recomputes that the block pays for, resident in the backward from the moment
-their segment is rebuilt (the first backward use of any of its tensors) to their own last use,
-so a long segment is charged for rebuilding many blocks at once.
+problem the greedy solves: a recomputed block's saved tensors are no longer saved, so they
+count nothing, exactly as the budget counts them on the partition that carries the layout
+out (it counts saved tensors; what the backward rebuilds is not saved).
 
-:func:`search` returns, of every point the layouts offer, the cheapest (block recompute plus
-the solver's added ms) whose peak meets the budget; also offered, per layout, the plan that
-offloads everything it may. Points are ranked in one fixed order (cost, layout, point) that
-does not depend on the budget, so as the budget shrinks the answer moves along that order:
-its cost never falls and its peak never rises. Layouts are visited best-first by a lower bound
-on what they can cost (block ms, then block ms plus a fractional knapsack at the tightest
-positions), and the search stops once the next bound passes the best plan found, which
-leaves the answer unchanged.
+That blindness would make one segment over the whole model look best at any low budget,
+while its backward rebuilds the whole model at once. So a layout of longer segments is
+offered only where, counting what it rebuilds (from the first backward use of its segment to
+each tensor's last use), its lowest peak is no higher than one-block segments' counted so:
+see :func:`admissible`. That test does not depend on the budget.
+
+:func:`search` returns, of every point the admissible layouts offer, the cheapest (block
+recompute plus the solver's added ms) whose peak meets the budget; also offered, per layout,
+the plan that offloads everything it may. Points are ranked in one fixed order (cost,
+layout, point) that does not depend on the budget, so as the budget shrinks the answer moves
+along that order: its cost never falls and its peak never rises. Layouts are visited
+best-first by a lower bound on what they can cost (block ms, then block ms plus a fractional
+knapsack at the tightest positions), and the search stops once the next bound passes the
+best plan found, which leaves the answer unchanged.
 
 Plain numbers only, as in :mod:`fxckpt.planning.solve`.
 """
@@ -104,12 +109,11 @@ def freed(blocks: Blocks, layout: Layout) -> dict[int, int]:
     return out
 
 
-def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt_resident: bool = True
-          ) -> Problem:
+def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt: bool = False) -> Problem:
     """``problem`` as it looks with ``layout``'s blocks recomputed (see the module doc).
 
-    ``rebuilt_resident=False``: the freed tensors count nothing, as in the budget's own
-    figure, which counts saved tensors only.
+    The freed tensors become forced recomputes the blocks pay for. ``rebuilt``: they count
+    from their segment's first backward use to their own last use, instead of nothing.
     """
     gone = freed(blocks, layout)
     if not gone:
@@ -124,7 +128,7 @@ def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt_resident:
     nbytes = list(c.bytes)
     for i, k in gone.items():
         forced[i], first[i], rec[i] = "recompute", start[k], 0.0
-        nbytes[i] = nbytes[i] if rebuilt_resident else 0
+        nbytes[i] = nbytes[i] if rebuilt else 0
     return Problem(
         problem.timeline,
         dataclasses.replace(
@@ -206,19 +210,39 @@ def lower_bound(pb: Problem, budget: int, iso: Sequence[tuple[int, int, float]])
     return bound
 
 
+def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str
+               ) -> list[int]:
+    """Indices of the layouts :func:`search` may choose: every one without longer segments,
+    and a layout of longer segments only where its lowest peak, counting what its segments
+    rebuild in the backward, is no higher than one-block segments over every block reach."""
+
+    def counted_low(layout: Layout) -> int:
+        pb = apply(problem, blocks, layout, rebuilt=True)
+        c = pb.candidates
+        return simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
+
+    per_block = Layout(tuple((b,) for b in blocks.order), "blocks")
+    longer = [k for k, layout in enumerate(options) if layout.kind == "stride"]
+    ceiling = counted_low(per_block) if longer else 0
+    return [k for k, layout in enumerate(options)
+            if layout.kind != "stride" or counted_low(layout) <= ceiling]
+
+
 def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto") -> Pick:
-    """The cheapest point of any layout that meets ``budget``; else :func:`fallback`.
+    """The cheapest point of any admissible layout that meets ``budget``; else the layout
+    whose lowest peak is lowest (ties: less block time), at the solver's lowest peak on it.
 
     Without ``blocks`` only the layout with no blocks is searched.
     """
     options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
     facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
+    allowed = admissible(problem, facts, options, prefetch) if len(options) > 1 else [0]
     S = problem.prefix_ms()
     iso = [isolated_offload(problem, S, i, prefetch) for i in range(len(problem))]
     # Best-first over lower bounds: a layout's block time bounds what it can cost, and its
     # knapsack bound (computed when that layout comes up) bounds it tighter. A layout runs
     # the greedy only when its bound comes up below the best plan found so far.
-    queue = [(blocks_ms(facts, layout), k, False) for k, layout in enumerate(options)]
+    queue = [(blocks_ms(facts, options[k]), k, False) for k in allowed]
     heapq.heapify(queue)
     best: tuple[float, int, int, Pick] | None = None
     while queue:
@@ -239,30 +263,17 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
                 best = (*key, Pick(layout, pb, sol, ms, freed(facts, layout)))
     if best is not None:
         return best[3]
-    layout = fallback(problem, facts, options, prefetch)
+    lowest: tuple[int, float, int] | None = None
+    for k in allowed:
+        pb = apply(problem, facts, options[k])
+        c = pb.candidates
+        low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
+        here = (low, blocks_ms(facts, options[k]), k)
+        lowest = here if lowest is None or here < lowest else lowest
+    layout = options[lowest[2]] if lowest is not None else NONE
     pb = apply(problem, facts, layout)
     sol = greedy_curve(pb, prefetch).solution(budget)
     return Pick(layout, pb, sol, blocks_ms(facts, layout), freed(facts, layout))
-
-
-def fallback(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str) -> Layout:
-    """Where no layout meets the budget: the one whose saved tensors reach the lowest peak.
-
-    The peak counts saved tensors only, as the budget does; rebuilt ones are left out, which
-    is why longer segments, whose rebuilt interiors that count would leave out the most, are
-    not offered here: one-block segments, as many as it takes (ties: fewer blocks).
-    """
-    found: tuple[int, float, int, Layout] | None = None
-    for k, layout in enumerate(options):
-        if layout.kind == "stride":
-            continue
-        pb = apply(problem, blocks, layout, rebuilt_resident=False)
-        c = pb.candidates
-        low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch)  # type: ignore[arg-type]
-        key = (low.peak, blocks_ms(blocks, layout), k, layout)
-        if found is None or key[:3] < found[:3]:
-            found = key
-    return found[3] if found is not None else NONE
 
 
 def _points(pb: Problem, budget: int, prefetch: str) -> list[Solution]:

@@ -10,7 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
-from fxckpt.planning.layouts import NONE, Blocks, Layout, apply, blocks_ms, layouts, search
+from fxckpt.planning.layouts import (
+    NONE,
+    Blocks,
+    Layout,
+    admissible,
+    apply,
+    blocks_ms,
+    layouts,
+    search,
+)
 from fxckpt.planning.solve import greedy_curve
 from planning.test_solve import random_problem
 
@@ -84,8 +93,12 @@ def test_no_alternative_that_meets_the_budget_is_cheaper(case, frac):
     for choices in (base_choices(pb), offload_all(pb)):  # min-cut alone; offload="all"
         alt = simulate(pb, choices)
         alternatives.append((alt.peak, alt.cost_ms))
+    options = layouts(pb, blocks)
+    allowed = {options[k] for k in admissible(pb, blocks, options, "auto")}
     for s in range(1, len(blocks.order) + 1):  # each segment_stride, and the solver after it
         layout = stride_layout(blocks, s)
+        if s > 1 and layout not in allowed:
+            continue  # rebuilds more at once than one-block segments hold at their lowest
         spb = apply(pb, blocks, layout)
         alt_sol = greedy_curve(spb).solution(budget)
         alternatives.append((alt_sol.peak, blocks_ms(blocks, layout) + alt_sol.cost_ms))
@@ -165,9 +178,15 @@ def test_apply_frees_a_segment_and_charges_its_rebuild():
     got = apply(pb, blocks, layout)
     c = got.candidates
     assert list(c.forced) == ["recompute"] * 3 + [None] + ["recompute"] * 2
-    # Both blocks of the first segment are rebuilt when its first tensor is needed.
-    assert c.first_bw_use[0] == c.first_bw_use[1] == c.first_bw_use[2] == pb.candidates.first_bw_use[2]
-    assert c.first_bw_use[4] == pb.candidates.first_bw_use[5]
+    # As the budget counts them: a rebuilt tensor is not saved, so it counts nothing.
+    assert [c.bytes[i] for i in range(6)] == [0, 0, 0, 100, 0, 0]
+    assert simulate(got, ["recompute"] * 3 + ["keep"] + ["recompute"] * 2).peak == 100
+    counted = apply(pb, blocks, layout, rebuilt=True).candidates
+    # Counted, both blocks of the first segment are rebuilt when its first tensor is needed.
+    assert counted.bytes == pb.candidates.bytes
+    first = pb.candidates.first_bw_use
+    assert counted.first_bw_use[0] == counted.first_bw_use[1] == counted.first_bw_use[2] == first[2]
+    assert counted.first_bw_use[4] == first[5]
     assert [layout.stride for layout in layouts(pb, blocks) if layout.kind == "stride"] == [2, 3]
     assert apply(pb, blocks, NONE) is pb
 
@@ -181,3 +200,16 @@ def test_offload_all_is_offered_where_the_greedy_misses_it():
     assert greedy_curve(pb).solution(everything.peak).cost_ms > everything.cost_ms + 0.1
     pick = search(pb, None, everything.peak)
     assert pick.feasible and pick.cost_ms <= everything.cost_ms + 1e-12
+
+
+def test_one_segment_over_the_whole_model_is_never_chosen():
+    # Budgeted as saved bytes alone, one segment over every block saves only the graph's
+    # input and would meet any budget; its backward rebuilds the whole model at once.
+    pb, blocks = uniform_decoder(n=6, per=2)
+    options = layouts(pb, blocks)
+    whole = stride_layout(blocks, 6)
+    assert whole in options and options.index(whole) not in admissible(pb, blocks, options, "auto")
+    blind = simulate(apply(pb, blocks, whole), ["recompute"] * len(pb)).peak
+    pick = search(pb, blocks, blind)
+    assert not pick.feasible and pick.layout != whole
+    assert options.index(pick.layout) in admissible(pb, blocks, options, "auto")
