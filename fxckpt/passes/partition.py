@@ -6,8 +6,10 @@
     3. passes.segment      tag segment interiors PREFER_RECOMPUTE, one ac_graph_id each
     4. torch min-cut       partition into forward and backward
     5. graph.activations   the saved tensors, bytes per storage, lifetimes
-    6. planning            keep / recompute / offload under the budget; a recompute
-                           choice re-tags the joint graph and reruns min-cut
+    6. planning rounds     passes.plan_round decides (keep / recompute / offload per
+                           storage, the blocks and single ops to recompute); this module
+                           carries a decision out: it re-tags the joint graph and runs
+                           min-cut again, then asks the next round
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
 """
 
