@@ -113,3 +113,25 @@ def test_stride_fixes_interiors_and_budget_decides_segment_inputs() -> None:
     # The stride never recomputes a segment input; the budget keeps or offloads each one.
     assert all(r.decision.reason.startswith(("keep: fits", "offload: ")) for r in segment_inputs)
     assert "offload" in {r.decision.kind for r in segment_inputs}
+
+
+def test_a_round_that_falls_short_recomputes_more_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first round's block search is made to under-predict (it plans for three times the
+    # budget, as if min-cut had freed less than it said); a later round must add blocks.
+    import fxckpt.passes.plan_round as plan_round
+
+    real, searched = plan_round.choose, []
+
+    def short(problem, blocks, budget, prefetch):  # type: ignore[no-untyped-def]
+        if blocks is not None:
+            searched.append(budget)
+            if len(searched) == 1:
+                return real(problem, blocks, 3 * budget, prefetch)
+        return real(problem, blocks, budget, prefetch)
+
+    monkeypatch.setattr(plan_round, "choose", short)
+    plan = run(0.25, offload="never")
+    assert len(searched) >= 2  # the block search ran again after the first partition
+    assert plan.resident_peak_bytes <= plan.budget_bytes
+    assert 0 < fxckpt.stats()["resident_saved_bytes"] <= plan.budget_bytes
+    assert any("recomputes blocks" in n for n in plan.notes), plan.notes

@@ -214,10 +214,13 @@ def partition(
             fw, bw = cut(tagged, consume=True)
             part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
         rounds.carried_out(part)
+        # Where min-cut saved more than the first round predicted, a later round may add
+        # blocks too (one-block segments on top of those already recomputed).
+        more_blocks = search_blocks and stride == 0 and rounds.layout.kind != "stride"
         with step(graph_name, f"plan round {rounds.recuts}"):
             decision = planner.decide(
-                part, allow_recompute=rounds.recuts < MAX_RECUTS, keep_first=True,
-                stuck=rounds.stuck,
+                part, search_blocks=more_blocks, allow_recompute=rounds.recuts < MAX_RECUTS,
+                keep_first=True, stuck=rounds.stuck,
             )  # fmt: skip
 
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
@@ -282,8 +285,12 @@ class Rounds:
         return sum(self.ms_of.values())
 
     def take(self, decision: RoundDecision, part: Partition) -> None:
-        if decision.layout.blocks:
-            self.layout = decision.layout
+        new = decision.layout
+        if new.kind == "blocks" and self.layout.kind == "blocks":
+            blocks = sorted(self.layout.blocks | new.blocks)
+            self.layout = Layout(tuple((b,) for b in blocks), "blocks")
+        elif new.blocks:
+            self.layout = new
         self.names |= decision.recompute
         for a in part.saved:
             if a.name in decision.recompute:

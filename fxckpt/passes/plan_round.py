@@ -145,7 +145,9 @@ class RoundPlanner:
             not_recomputable=stuck,
             copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
         )
-        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if search_blocks else None
+        # Blocks, like single ops, only while another partition can carry them out.
+        recompute = search_blocks and allow_recompute and budget is not None
+        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if recompute else None
         pick = None
         if keep_first and budget is not None:
             c = problem.candidates
