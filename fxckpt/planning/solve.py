@@ -16,7 +16,7 @@ Methods:
   sequence, so they are nested. Its peak is *not* monotone, though: an offload queues on the
   copy channels and can hold another offloaded tensor resident longer. So binary search over
   the prefix length would not be valid. Every point's exact peak and cost are therefore
-  tracked (:class:`~fxckpt.graph.memory.IncrementalSim`). The Pareto chain is kept: points
+  tracked (:class:`~fxckpt.graph.incremental.IncrementalSim`). The Pareto chain is kept: points
   whose peak falls strictly and whose cost never falls, with none beaten on both counts by an
   earlier one. A budget gets the first chain point that fits. As the budget shrinks, that point
   moves later, so the peak never rises, the cost never falls and the evicted sets stay nested
@@ -48,8 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise, product
 
+from fxckpt.graph.incremental import IncrementalSim
 from fxckpt.graph.memory import (
-    IncrementalSim,
     Problem,
     SimResult,
     isolated_offload,

@@ -9,13 +9,12 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fxckpt.graph.liveness import live_bytes_timeline, peak_live_bytes
 from fxckpt.graph.memory import (
     OFFLOAD_PRICE_MS_PER_BYTE,
     Candidates,
     Problem,
     Timeline,
-    live_bytes_timeline,
-    peak_live_bytes,
     simulate,
 )
 
