@@ -168,7 +168,7 @@ def reasons(
             out[s.key] = Choice(
                 "recompute",
                 f"recompute: {_size(s.bytes)} for {f / 1e6:.2f} MFLOP "
-                f"({c.recompute_ms[i]:.3f} ms), cheaper than an exposed copy",
+                f"({c.recompute_ms[i]:.3f} ms), cheaper than offloading it",
             )
         else:
             if budget is None:
