@@ -216,6 +216,7 @@ def synthetic(n: int, T: int, seed: int = 0, bandwidth: float = 2.5e6) -> Any:
 
 COMPILE_CONFIGS: dict[str, dict[str, Any]] = {
     "budget 0.5": {"memory_budget": 0.5},
+    "budget 0.9": {"memory_budget": 0.9},
     "stride 2": {"segment_stride": 2},
     "stride 2, budget 0.3": {"segment_stride": 2, "memory_budget": 0.3},
 }
