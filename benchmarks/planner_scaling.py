@@ -16,7 +16,7 @@
    fxckpt adds.
 4. The greedy on a synthetic 10k-candidate, 20k-position problem.
 
-The solver's input is captured by wrapping ``fxckpt.passes.partition.decide`` for the length
+The solver's input is captured by wrapping ``fxckpt.passes.plan_round.choose`` for the length
 of a run; nothing in fxckpt is changed.
 """
 
@@ -74,25 +74,25 @@ class _StepLog(logging.Handler):
 @contextlib.contextmanager
 def capturing() -> Iterator[Capture]:
     """Record the partitioner's step timings and the solver's problems while inside."""
-    import fxckpt.passes.partition as partition
+    import fxckpt.passes.plan_round as plan_round
 
     cap = Capture()
     logger = logging.getLogger("fxckpt.passes.partition")
-    handler, old_level, old_decide = _StepLog(cap), logger.level, partition.decide
+    handler, old_level, old_choose = _StepLog(cap), logger.level, plan_round.choose
 
-    def decide(problem: Any, budget: int | None, prefetch: str) -> Any:
+    def choose(problem: Any, blocks: Any, budget: int | None, prefetch: str) -> Any:
         start = time.perf_counter()
-        solution = old_decide(problem, budget, prefetch)
+        pick = old_choose(problem, blocks, budget, prefetch)
         cap.problems.append((problem, budget, prefetch, time.perf_counter() - start))
-        return solution
+        return pick
 
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    partition.decide = decide
+    plan_round.choose = choose
     try:
         yield cap
     finally:
-        partition.decide = old_decide
+        plan_round.choose = old_choose
         logger.removeHandler(handler)
         logger.setLevel(old_level)
 
@@ -216,6 +216,7 @@ def synthetic(n: int, T: int, seed: int = 0, bandwidth: float = 2.5e6) -> Any:
 
 COMPILE_CONFIGS: dict[str, dict[str, Any]] = {
     "budget 0.5": {"memory_budget": 0.5},
+    "budget 0.9": {"memory_budget": 0.9},
     "stride 2": {"segment_stride": 2},
     "stride 2, budget 0.3": {"segment_stride": 2, "memory_budget": 0.3},
 }

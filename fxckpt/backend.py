@@ -88,7 +88,10 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
         return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self.options.cache_key()}"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FxckptPartitioner) and self.options == other.options
+        # By cache key, not Options equality: which options were set explicitly changes plans.
+        return isinstance(other, FxckptPartitioner) and (
+            self.options.cache_key() == other.options.cache_key()
+        )
 
     def __hash__(self) -> int:
         return hash(self.options.cache_key())

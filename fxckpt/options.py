@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -45,6 +46,9 @@ _BUDGET_ACCEPTED = (
 _BYTES_ACCEPTED = 'an int number of bytes or a string such as "12GiB", "800MB"'
 _AUTO_FALLBACK = "an explicit budget in bytes or a fraction"
 _MAX_COPY_STREAMS = 32  # the CUDA stream pool holds 32 streams per priority
+# Options whose default the planner relaxes when only it stands between a budget and a plan
+# that meets it: with no segment_stride of the user's own, the planner recomputes blocks.
+RELAXABLE: tuple[str, ...] = ("segment_stride",)
 _CHOICES: dict[str, tuple[str, ...]] = {
     "offload": ("auto", "never", "all"),
     "prefetch": ("auto", "jit"),
@@ -170,14 +174,20 @@ class Options:
     After ``__post_init__``: ``memory_budget`` is ``None``, a positive int of bytes, a float in
     (0, 1] or ``"auto"``; ``segment_width`` is an int ≤ ``segment_stride``; byte options are
     ints; ``bandwidth`` is a float or ``None``. ``dataclasses.replace`` re-validates, but a
-    defaulted ``segment_width`` has already been set to the old stride.
+    defaulted ``segment_width`` has already been set to the old stride, and every option it
+    passes counts as set explicitly.
+
+    :attr:`explicit` names the options the caller set. A default is not a constraint: where
+    only a default stands between a budget and a plan that meets it, the planner relaxes it
+    (and says so in the plan's notes); an option set explicitly is kept, and a budget it makes
+    impossible raises :class:`~fxckpt.errors.BudgetError`.
     """
 
     memory_budget: int | float | str | None = None
     segment_stride: int = 0
     segment_width: int | None = None
     offload: str = "auto"
-    min_offload_bytes: int = 2**20
+    min_offload_bytes: int = 0
     prefetch: str = "auto"
     copy_streams: int = 1
     pinned_pool_bytes: int | None = None
@@ -237,13 +247,23 @@ class Options:
                 raise OptionsError(str(key), value, "one of " + ", ".join(OPTION_NAMES), detail)
         return cls(**mapping)
 
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The names of the options the caller set, defaults left out."""
+        return frozenset(self._explicit)  # type: ignore[attr-defined]
+
+    def is_explicit(self, name: str) -> bool:
+        return name in self.explicit
+
     def to_dict(self) -> dict[str, Any]:
         """Every option by name; the values are JSON-friendly (None, int, float, str)."""
         return dataclasses.asdict(self)
 
     def cache_key(self) -> str:
-        """A stable sha256 hex digest of the options, for compile-cache keys."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """A stable sha256 hex digest of the options, for compile-cache keys; with them, which
+        of :data:`RELAXABLE` were set explicitly (a plan may relax a default, not a choice)."""
+        doc = {**self.to_dict(), "explicit": sorted(self.explicit & set(RELAXABLE))}
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def resolve_budget(
@@ -264,6 +284,21 @@ class Options:
             return int(budget * baseline_saved_bytes)
         free = _free_bytes(device)
         return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
+
+
+_dataclass_init = Options.__init__
+
+
+def _init_recording_explicit(self: Options, **kwargs: Any) -> None:
+    _dataclass_init(self, **kwargs)
+    # A sorted tuple, not a set: Inductor pickles the options into its cache key, and a set of
+    # strings pickles in an order that changes from one process to the next.
+    object.__setattr__(self, "_explicit", tuple(sorted(kwargs)))  # the dataclass is frozen
+
+
+# The generated __init__ cannot tell a default from the same value passed on purpose; the
+# keyword arguments can. (Options is keyword-only, so every value set arrives as one.)
+setattr(Options, "__init__", functools.wraps(_dataclass_init)(_init_recording_explicit))  # noqa: B010
 
 
 def _check_blocks(blocks: Any) -> None:

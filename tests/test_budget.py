@@ -120,3 +120,65 @@ def test_stride_fixes_interiors_and_budget_decides_segment_inputs() -> None:
     # The stride never recomputes a segment input; the budget keeps or offloads each one.
     assert all(r.decision.reason.startswith(("keep: fits", "offload: ")) for r in segment_inputs)
     assert "offload" in {r.decision.kind for r in segment_inputs}
+
+
+def test_a_round_that_falls_short_recomputes_more_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first round's block search is made to under-predict (it plans for three times the
+    # budget, as if min-cut had freed less than it said); a later round must add blocks.
+    import fxckpt.passes.plan_round as plan_round
+
+    real, searched = plan_round.choose, []
+
+    def short(problem, blocks, budget, prefetch):  # type: ignore[no-untyped-def]
+        if blocks is not None:
+            searched.append(budget)
+            if len(searched) == 1:
+                return real(problem, blocks, 3 * budget, prefetch)
+        return real(problem, blocks, budget, prefetch)
+
+    monkeypatch.setattr(plan_round, "choose", short)
+    plan = run(0.25, offload="never")
+    assert len(searched) >= 2  # the block search ran again after the first partition
+    assert plan.resident_peak_bytes <= plan.budget_bytes
+    assert 0 < fxckpt.stats()["resident_saved_bytes"] <= plan.budget_bytes
+    assert any("recomputes blocks" in n for n in plan.notes), plan.notes
+
+
+def test_budgets_between_rungs_get_plans_between_rungs() -> None:
+    # Offload cannot help: the budget gets the least recompute that meets it, k of N blocks
+    # plus single ops, not the next rung of a fixed ladder (every other block, every block).
+    peaks, measured, recomputed, base = [], [], [], 0
+    for fraction in (0.9, 0.7, 0.5, 0.3):
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        torch.manual_seed(0)
+        backend = fxckpt.backend(compiler="eager", memory_budget=fraction, offload="never",
+                                 cost_model="unit")
+        assert_step_matches(GPT(n_layers=8, d=32), gpt_inputs(seq=32), backend)
+        (plan,) = fxckpt.last_plans()
+        base = plan.baseline_saved_bytes
+        block = max(sum(r.bytes for r in plan.activations if r.block == b) for b in range(8))
+        assert plan.resident_peak_bytes <= plan.budget_bytes
+        assert plan.recomputed_bytes <= (1 - fraction) * base + block
+        peaks.append(plan.resident_peak_bytes)
+        measured.append(fxckpt.stats()["resident_saved_bytes"])
+        recomputed.append(plan.recomputed_bytes)
+    assert len(set(peaks)) == 4 and peaks == sorted(peaks, reverse=True)
+    assert measured == sorted(measured, reverse=True) and measured[-1] <= 0.3 * base
+    assert recomputed == sorted(recomputed) and recomputed[0] < recomputed[-1]
+
+
+def test_an_unset_stride_is_relaxed_and_a_set_one_is_kept() -> None:
+    # Only blocks can meet this budget (nothing may be offloaded). With segment_stride unset
+    # the planner recomputes blocks and says so; set to 0 by the user, it stays 0 and the
+    # error names it.
+    plan = run(0.3, offload="never")
+    assert plan.resident_peak_bytes <= plan.budget_bytes
+    assert any(n.startswith("segment_stride is unset: recomputes blocks") for n in plan.notes)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        run(0.3, offload="never", segment_stride=0)
+    err = info.value.inner_exception
+    assert isinstance(err, fxckpt.BudgetError), type(err)
+    assert err.smallest_bytes > err.budget_bytes
+    assert any("segment_stride unset" in s for s in err.suggestions), err.suggestions
+    assert "offload='auto'" in err.suggestions

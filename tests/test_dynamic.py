@@ -190,7 +190,9 @@ def test_long_context_example_fits_lengths_plain_compile_cannot(capsys: pytest.C
     fit = results[2]
     assert fit.plain_saved > budget >= fit.fxckpt_resident
     assert fit.fxckpt_peak is not None and fit.fxckpt_peak <= budget
-    assert fit.offloaded > 0
+    # Offload or recompute, whichever the cost model prices lower (on the CPU engine, with its
+    # per-copy hand-off, these 2-layer blocks are cheaper to recompute).
+    assert fit.offloaded + fit.recomputed > 0
     assert fit.loss_diff <= 1e-5 and fit.max_grad_diff <= 1e-5
     # At 1024 tokens single tensors outgrow the budget: no plan fits (BudgetError), so the
     # search stops there.

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -207,7 +208,7 @@ def test_defaults() -> None:
     o = Options()
     assert o.to_dict() == {
         "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
-        "min_offload_bytes": MiB, "prefetch": "auto", "copy_streams": 1,
+        "min_offload_bytes": 0, "prefetch": "auto", "copy_streams": 1,
         "pinned_pool_bytes": None, "bandwidth": None, "cost_model": "flops",
         "compiler": "inductor", "on_infeasible": "raise", "blocks": None, "block_index": None,
     }  # fmt: skip
@@ -265,7 +266,8 @@ def test_to_dict_round_trips_through_json() -> None:
 
 def test_cache_key_is_sha256_of_sorted_json() -> None:
     o = Options(memory_budget="12GiB")
-    text = json.dumps(o.to_dict(), sort_keys=True, separators=(",", ":"))
+    doc = {**o.to_dict(), "explicit": []}  # memory_budget is no default the planner relaxes
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     assert o.cache_key() == hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -282,12 +284,22 @@ def test_cache_key_equal_for_equal_options() -> None:
 @pytest.mark.parametrize(
     "changes",
     [{"memory_budget": 1}, {"memory_budget": 1.0}, {"segment_stride": 1}, {"offload": "all"},
-     {"min_offload_bytes": 0}, {"prefetch": "jit"}, {"copy_streams": 2},
+     {"min_offload_bytes": MiB}, {"prefetch": "jit"}, {"copy_streams": 2},
      {"pinned_pool_bytes": 0}, {"bandwidth": 1}, {"cost_model": "unit"},
      {"compiler": "eager"}, {"on_infeasible": "warn"}, {"blocks": "x"}],
 )  # fmt: skip
 def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
     assert Options.from_mapping(changes).cache_key() != Options().cache_key()
+
+
+def test_options_know_what_was_set_explicitly() -> None:
+    assert Options().explicit == frozenset()
+    set_ = Options(segment_stride=0, memory_budget=0.5)
+    assert set_.explicit == {"segment_stride", "memory_budget"}
+    assert Options.from_mapping({"offload": "auto"}).is_explicit("offload")
+    # The same values, one set on purpose: a plan may relax only the default.
+    assert set_ == Options(memory_budget=0.5) and set_.cache_key() != Options(memory_budget=0.5).cache_key()
+    assert pickle.loads(pickle.dumps(set_)).explicit == set_.explicit  # travels in cache keys
 
 
 def test_cache_key_distinguishes_int_from_fraction() -> None:

@@ -139,6 +139,15 @@ def saved_activations(
     return result
 
 
+def device_of(gm: fx.GraphModule) -> torch.device:
+    """The accelerator a graph computes on: the first non-CPU tensor value, else the CPU."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
+            return val.device
+    return torch.device("cpu")
+
+
 def bytes_per_storage(acts: list[SavedActivation]) -> int:
     """Total bytes of ``acts``, each storage counted once."""
     seen: dict[str, int] = {}

@@ -28,6 +28,16 @@ DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
 DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
 DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5 x16 link
 
+# Host time the compute thread spends per offloaded tensor, in ms: four runtime-op calls
+# (offload, offload_done, prefetch, wait) and two hand-offs to the copy engine. The copies hide
+# behind compute; this does not, so the planner pays it per offload instead of excluding small
+# tensors with a fixed threshold. "cpu": the CPU engine (worker threads), measured by
+# ``python -m benchmarks.copy_overhead`` (0.40-0.56 ms per 64 KiB round trip on two loaded
+# cores). "cuda": an estimate until ``benchmarks/copy_overhead.py`` runs on a GPU: four Python
+# custom-op dispatches (~10-20 us each) plus two cudaMemcpyAsync calls (~5-7 us each,
+# HOST_MEMORY_NOTES) and their events. Offline plans (meta) price a GPU's engine.
+COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
+
 _COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
@@ -221,6 +231,15 @@ def measure_bandwidth(device: Any) -> float:
 
         name = f"cuda:{torch.cuda.current_device()}"
     return _bandwidth(name)
+
+
+def copy_overhead_ms(device: Any, cost_model: str) -> float:
+    """The fixed host cost of one offloaded tensor on ``device``'s copy engine
+    (:data:`COPY_OVERHEAD_MS`); 0.0 under ``cost_model="unit"``, which stays deterministic."""
+    if cost_model == "unit":
+        return 0.0
+    name = device if isinstance(device, str) else str(device)
+    return COPY_OVERHEAD_MS["cuda" if _gpu_like(name) else "cpu"]
 
 
 def _profile_ms(node: torch.fx.Node, device: str, repeats: int = 5) -> float:

@@ -6,26 +6,23 @@ together, since evicting one view of a storage another view keeps frees nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fxckpt._torch_compat import OFFLOAD_POLICIES, CheckpointPolicy
-from fxckpt.errors import BudgetError
+from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.costs import is_random, measure_bandwidth, node_cost_ms, node_flops
-from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
+from fxckpt.graph.memory import Candidates, Problem, Timeline
 from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
 from fxckpt.planning.planner import Choice
-from fxckpt.planning.solve import Solution, solve
+from fxckpt.planning.solve import Solution
 from fxckpt.runtime.pool import size_class
 
 
@@ -39,16 +36,6 @@ class Storage:
     @property
     def bytes(self) -> int:
         return self.members[0].bytes
-
-
-@dataclass(frozen=True)
-class Decided:
-    """The planner's answer for one graph."""
-
-    choices: dict[str, Choice]  # storage key -> choice
-    solution: Solution
-    storages: list[Storage]
-    recompute_flops: dict[str, float]  # activation name -> FLOPs to rebuild it
 
 
 def group_by_storage(acts: Sequence[SavedActivation]) -> list[Storage]:
@@ -92,10 +79,12 @@ def build_problem(
     cost_model: str,
     device: torch.device,
     not_recomputable: Set[str] = frozenset(),
+    copy_overhead_ms: float = 0.0,
 ) -> tuple[Problem, dict[str, float]]:
     """The solver's view of one graph: a timeline of node costs and one row per storage.
 
     ``not_recomputable``: activation names that min-cut would not recompute when asked.
+    ``copy_overhead_ms``: the engine's fixed host cost per offloaded tensor.
     """
     F = len(fw_step_ms)
     T = F + len(bw_step_ms)
@@ -126,6 +115,7 @@ def build_problem(
         step_ms=[*fw_step_ms, *bw_step_ms],
         num_forward=F,
         bandwidth_bytes_per_ms=max(bytes_per_ms, 1e-9),
+        copy_overhead_ms=copy_overhead_ms,
     )
     candidates = Candidates(
         bytes=cols["b"],
@@ -178,7 +168,7 @@ def reasons(
             out[s.key] = Choice(
                 "recompute",
                 f"recompute: {_size(s.bytes)} for {f / 1e6:.2f} MFLOP "
-                f"({c.recompute_ms[i]:.3f} ms), cheaper than an exposed copy",
+                f"({c.recompute_ms[i]:.3f} ms), cheaper than offloading it",
             )
         else:
             if budget is None:
@@ -193,13 +183,10 @@ def reasons(
     return out
 
 
-def decide(problem: Problem, budget: int | None, prefetch: str) -> Solution:
-    return solve(problem, budget, method="auto", prefetch=prefetch)
-
-
-def _forced(
-    storages: list[Storage], offloadable: set[str], requested: set[str], options: Options
+def forced_offloads(
+    storages: list[Storage], offloadable: Set[str], requested: Set[str], options: Options
 ) -> tuple[dict[str, str], dict[str, str]]:
+    """Storages that ``offload="all"`` or a user's checkpoint policy asks to offload, and why."""
     forced: dict[str, str] = {}
     why: dict[str, str] = {}
     for s in storages:
@@ -210,65 +197,6 @@ def _forced(
         elif any(a.name in requested for a in s.members):
             forced[s.key], why[s.key] = "offload", "offload: the checkpoint policy asks for it"
     return forced, why
-
-
-def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
-    for node in joint.graph.nodes:
-        if node.name in names:
-            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _infeasible(
-    graph_name: str,
-    budget: int,
-    smallest: int,
-    options: Options,
-    *,
-    pool_capped: bool = False,
-    sizes: str = "",
-) -> None:
-    hints = ["a larger pinned_pool_bytes"] if pool_capped else []
-    if options.offload == "never":
-        hints.append("offload='auto'")
-    if options.segment_stride == 0:
-        hints.append("segment_stride=1")
-    elif options.segment_width is not None and options.segment_width < options.segment_stride:
-        hints.append(f"segment_width={options.segment_stride}")
-    if options.min_offload_bytes > 0 and options.offload != "never":
-        hints.append("a smaller min_offload_bytes")
-    error = BudgetError(graph_name, budget, smallest, hints, sizes)
-    if options.on_infeasible == "raise":
-        raise error
-    warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=2)
-
-
-def _resimulate(
-    problem: Problem, storages: list[Storage], choices: dict[str, Choice], prefetch: str, old: Solution
-) -> Solution:
-    picked = [choices[s.key].kind for s in storages]
-    sim = simulate(problem, picked, prefetch=prefetch)  # type: ignore[arg-type]
-    return dataclasses.replace(
-        old, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms, sim=sim
-    )
-
-
-def _timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200) -> dict[str, Any]:
-    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
-    keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
-    F, T = problem.timeline.num_forward, len(resident)
-    step_ = max(1, math.ceil(T / points))
-    pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
-    return {
-        "forward_end": F // step_,
-        "positions": T,
-        "stride": step_,
-        "baseline": pool(keep_all),
-        "plan": pool(resident),
-        "budget": budget,
-    }
-
-
-_KEEP = Choice("keep", "")
 
 
 def cap_host_pool(
@@ -341,14 +269,6 @@ def user_offload_requests(joint: fx.GraphModule) -> set[str]:
     }
 
 
-def _device_of(gm: fx.GraphModule) -> torch.device:
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
-            return val.device
-    return torch.device("cpu")
-
-
 def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> list[float]:
     """Estimated compute milliseconds of each node of ``gm``, in graph order."""
     return [
@@ -363,8 +283,6 @@ def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
     if options.cost_model == "unit":
         return 1e6  # deterministic: 1 MB per unit step
     return measure_bandwidth(device)
-
-
 
 
 def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.device) -> float:

@@ -6,8 +6,10 @@
     3. passes.segment      tag segment interiors PREFER_RECOMPUTE, one ac_graph_id each
     4. torch min-cut       partition into forward and backward
     5. graph.activations   the saved tensors, bytes per storage, lifetimes
-    6. planning            keep / recompute / offload under the budget; a recompute
-                           choice re-tags the joint graph and reruns min-cut
+    6. planning rounds     passes.plan_round decides (keep / recompute / offload per
+                           storage, the blocks and single ops to recompute); this module
+                           carries a decision out: it re-tags the joint graph and runs
+                           min-cut again, then asks the next round
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
 """
 
@@ -35,37 +37,23 @@ from fxckpt._torch_compat import (
     min_cut_without_cse,
     trace_plan_artifact,
 )
-from fxckpt.graph.activations import SavedActivation, bytes_per_storage, saved_activations
-from fxckpt.graph.blocks import BlockFacts, find_blocks
-from fxckpt.graph.memory import Problem
-from fxckpt.options import Options
-from fxckpt.passes.budget import (
-    _KEEP,
-    Storage,
-    _device_of,
-    _forced,
-    _infeasible,
-    _resimulate,
-    _tag_recompute,
-    _timeline,
-    bandwidth_bytes_per_ms,
-    build_problem,
-    cap_host_pool,
-    decide,
-    group_by_storage,
-    offload_candidates,
-    reasons,
-    segment_recompute_ms,
-    step_costs,
-    user_offload_requests,
+from fxckpt.graph.activations import (
+    SavedActivation,
+    bytes_per_storage,
+    device_of,
+    saved_activations,
 )
+from fxckpt.graph.blocks import BlockFacts, find_blocks
+from fxckpt.options import Options
+from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.offload import insert_note, insert_offloads
+from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
 from fxckpt.passes.schedule import pin_positions, place_offloads
-from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
+from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
+from fxckpt.planning.layouts import NONE, Layout
 from fxckpt.planning.plan import Plan
-from fxckpt.planning.planner import Choice, build_plan
-from fxckpt.planning.solve import Solution
+from fxckpt.planning.planner import build_plan
 
 log = logging.getLogger(__name__)
 
@@ -144,29 +132,6 @@ def min_cut(
     return fw, bw
 
 
-@dataclasses.dataclass
-class Attempt:
-    """One partition of the joint graph and the planner's answer for it."""
-
-    tagged: fx.GraphModule  # the joint graph as tagged for this partition
-    fw: fx.GraphModule
-    bw: fx.GraphModule
-    final: list[SavedActivation]
-    choices: dict[str, Choice]
-    solution: Solution | None = None
-    problem: Problem | None = None
-    storages: list[Storage] | None = None
-    rebuilt: dict[str, SavedActivation] = dataclasses.field(default_factory=dict)
-    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
-    flops: dict[str, float] = dataclasses.field(default_factory=dict)
-    recompute_ms: float = 0.0
-    segment_ms: float = 0.0  # the backward's recompute of segment interiors, estimated
-
-    @property
-    def feasible(self) -> bool:
-        return self.solution is None or self.solution.feasible
-
-
 def _partition_context(fn: Callable[..., GraphPair]) -> Callable[..., GraphPair]:
     """Run ``fn`` with lazy graph modules and the program's objects frozen (see above)."""
 
@@ -212,73 +177,76 @@ def partition(
     width = options.segment_width if options.segment_width is not None else stride
     with step(graph_name, "blocks"):
         blocks = find_blocks(joint, options.blocks, block_index=options.block_index)
-    # With a stride, the tagged copy is made first and nothing needs the joint graph after
-    # the baseline (the extra one-block segments come only without a stride of the user's), so
-    # the baseline min-cut may consume it instead of a copy.
-    first_tagged = clone_joint(joint) if stride > 0 else None
+    # With a stride, the tagged copy is made first and the rounds re-tag copies of it, so the
+    # baseline min-cut may consume the joint graph instead of a copy.
+    source = clone_joint(joint) if stride > 0 else joint
     with step(graph_name, "baseline min-cut"):
-        base_fw, base_bw = cut(joint, consume=first_tagged is not None)
+        base_fw, base_bw = cut(joint, consume=stride > 0)
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
-    device = _device_of(base_fw)
+    device = device_of(base_fw)
     budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
+    report = SegmentReport({}, 0, 0, 0)
+    if stride > 0:
+        with step(graph_name, "segment"):
+            report = tag_segments(source, blocks, stride, width)
+    requests = user_offload_requests(source)
+    segment_ms = segment_recompute_ms(source, options.cost_model, device)
+    with step(graph_name, "min-cut"):
+        # Nothing tagged: the partition is the baseline's. Without a budget no round re-tags
+        # the source, so min-cut may consume it.
+        fw, bw = (
+            (base_fw, base_bw) if report.tagged == 0 else cut(source, consume=budget is None)
+        )
+        part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
+    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests)
+    # Blocks are recomputed only where the user left segment_stride unset: a default is not a
+    # constraint, a stride the user chose (0 included) is.
+    search_blocks = budget is not None and not options.is_explicit("segment_stride")
+    rounds = Rounds()
+    with step(graph_name, "plan round 0"):
+        decision = planner.decide(part, search_blocks=search_blocks and stride == 0)
+    while decision is not None and decision.rewrites and rounds.recuts < MAX_RECUTS:
+        rounds.take(decision, part)
+        with step(graph_name, "segment"):
+            tagged = clone_joint(source)
+            if rounds.layout.blocks:
+                report = tag_layout(tagged, blocks, rounds.layout)
+            tag_recompute(tagged, rounds.names)
+            segment_ms = segment_recompute_ms(tagged, options.cost_model, device)
+        with step(graph_name, "min-cut (re-plan)"):
+            fw, bw = cut(tagged, consume=True)
+            part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
+        rounds.carried_out(part)
+        # Where min-cut saved more than the first round predicted, a later round may add
+        # blocks too (one-block segments on top of those already recomputed).
+        more_blocks = search_blocks and stride == 0 and rounds.layout.kind != "stride"
+        with step(graph_name, f"plan round {rounds.recuts}"):
+            decision = planner.decide(
+                part, search_blocks=more_blocks, allow_recompute=rounds.recuts < MAX_RECUTS,
+                keep_first=True, stuck=rounds.stuck,
+            )  # fmt: skip
 
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
-    notes = _notes(blocks, stride)
-    # A budget that offload alone cannot meet recomputes more blocks, in a fixed order, so a
-    # smaller budget only ever moves further along it (the resident peak stays monotone).
-    for extra in _extra_segment_steps(blocks.blocks, segments, budget, options):
-        if stride > 0 or extra:
-            # The baseline consumed the joint graph only when a stride made this copy first,
-            # and then this loop runs once.
-            assert first_tagged is not None or stride == 0, "the joint graph was consumed"
-            tagged = first_tagged if first_tagged is not None else clone_joint(joint)
-            first_tagged = None
-            with step(graph_name, "segment"):
-                report = tag_segments(tagged, blocks, stride, width, extra_blocks=extra)
-        else:
-            # No segments: plan on the joint itself; _plan copies it before re-tagging.
-            tagged, report = joint, SegmentReport({}, 0, 0, 0)
-        # Nothing tagged: the partition is the baseline's, so skip a min-cut run.
-        reuse = (base_fw, base_bw) if report.tagged == 0 else None
-        attempt = _plan(
-            tagged, cut, blocks, options, budget, device, graph_name, num_fwd_outputs, reuse,
-            owned=tagged is not joint,
-        )
-        if attempt.feasible:
-            break
-    if extra:
-        segments.update({b: -1 for b in extra})
-        notes.append(f"recomputes blocks {sorted(extra)} to meet the budget")
+    segments.update(dict.fromkeys(rounds.layout.blocks, -1))
+    notes = _notes(blocks, stride) + rounds.notes()
     if report.kept_random:
         notes.append(f"{report.kept_random} random ops inside segments stay saved")
-
-    peak = timeline = None
-    if attempt.solution is not None and attempt.problem is not None:
-        feasible = attempt.solution.feasible
-        if budget is not None and not feasible:
-            _infeasible(graph_name, budget, attempt.solution.peak, options, sizes=sizes)
-        if cap_host_pool(attempt.final, attempt.choices, options.pinned_pool_bytes, graph_name):
-            attempt.solution = _resimulate(
-                attempt.problem, attempt.storages or [], attempt.choices, options.prefetch, attempt.solution
-            )
-            # Offloads the pool cap kept on the device can push a plan that met the budget
-            # over it; that must raise (or warn) like any infeasible budget, not pass silently.
-            if budget is not None and feasible and attempt.solution.peak > budget:
-                _infeasible(
-                    graph_name, budget, attempt.solution.peak, options, pool_capped=True, sizes=sizes
-                )
-        peak = attempt.solution.sim.peak
-        timeline = _timeline(attempt.problem, attempt.solution.sim.resident, budget)
+    peak = plan_timeline = None
+    solution_ms = 0.0
+    if decision is not None:
+        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes)
+        peak, solution_ms = solution.sim.peak, solution.cost_ms
+        plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")
             notes += guard_budget(
-                problem=attempt.problem,
-                kinds=attempt.solution.choices,
-                d2h_done=attempt.solution.sim.d2h_done,
-                prefetch_issue=attempt.solution.sim.prefetch_issue,
-                storage_keys=[st.key for st in attempt.storages or []],
-                fw=attempt.fw,
-                final=attempt.final,
+                problem=decision.problem,
+                kinds=solution.choices,
+                d2h_done=solution.sim.d2h_done,
+                prefetch_issue=solution.sim.prefetch_issue,
+                storage_keys=[st.key for st in decision.storages],
+                fw=part.fw,
+                final=part.saved,
                 baseline_fw=base_fw,
                 baseline=baseline,
                 options=options,
@@ -286,31 +254,30 @@ def partition(
                 graph_name=graph_name,
             )
     seen = {a.name: a for a in baseline}
-    for name, a in attempt.rebuilt.items():
+    for name, a in rounds.rebuilt.items():
         seen.setdefault(name, a)
     plan = build_plan(
         graph_name,
         list(seen.values()),
-        attempt.final,
-        attempt.choices,
+        part.saved,
+        decision.choices if decision is not None else {},
         segment_of_block=segments,
-        recompute_reasons=attempt.reasons,
-        flops=attempt.flops,
+        recompute_reasons=rounds.reasons,
+        flops=rounds.flops,
         budget_bytes=budget,
         resident_peak_bytes=peak,
-        est_overhead_ms=attempt.segment_ms
-        + attempt.recompute_ms
-        + (attempt.solution.cost_ms if attempt.solution else 0.0),
+        est_overhead_ms=segment_ms + rounds.recompute_ms + solution_ms,
         options=options.to_dict(),
         notes=notes,
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
-    plan.timeline = timeline
-    fw, bw = attempt.fw, attempt.bw
+    plan.timeline = plan_timeline
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt), fused=inductor))
+        fw, bw = insert_offloads(
+            fw, bw, place_offloads(fw, bw, _offloaded(part, decision), fused=inductor)
+        )
         payload = record(plan)
-        resident = _resident(fw, attempt)
+        resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
     if inductor:
         with step(graph_name, "pin positions"):
@@ -319,120 +286,79 @@ def partition(
     return fw, bw
 
 
-MAX_PLAN_ROUNDS = 4
+# Partitions a budget may add after the first: one to carry out the first round's blocks and
+# single ops, and up to two more when min-cut saved something the prediction freed.
+MAX_RECUTS = 3
 
 
-def _plan(
-    tagged: fx.GraphModule,
-    cut: Callable[..., GraphPair],
-    blocks: BlockFacts,
-    options: Options,
-    budget: int | None,
-    device: torch.device,
-    graph_name: str,
-    num_fwd_outputs: int,
-    reuse: GraphPair | None = None,
-    *,
-    owned: bool = True,
-) -> Attempt:
-    """Partition, then plan; recompute choices re-tag the joint graph and partition again.
+@dataclasses.dataclass
+class Rounds:
+    """What the rounds asked min-cut to rebuild so far, and why."""
 
-    ``owned``: ``tagged`` is this attempt's own copy; otherwise it is copied before the
-    first re-tag (copying a large joint graph costs about as much as a tenth of a min-cut).
-    Without a budget nothing is recomputed, so no re-tag follows and min-cut may consume an
-    owned ``tagged``; what the plan reads from it is read first.
-    """
-    requests = user_offload_requests(tagged)
-    segment_ms = segment_recompute_ms(tagged, options.cost_model, device)
-    with step(graph_name, "min-cut"):
-        fw, bw = reuse if reuse is not None else cut(tagged, consume=owned and budget is None)
-        attempt = Attempt(tagged, fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks), {})
-    attempt.segment_ms = segment_ms
-    # Tensors min-cut kept saving although they were tagged for recompute (a boundary between
-    # two checkpoint regions forces a save there): later rounds must keep or offload them.
-    stuck: set[str] = set()
-    for round_ in range(MAX_PLAN_ROUNDS):
-        # The last round's choices are final, with no partition after it to carry out a
-        # recompute: it may only keep or offload.
-        last = round_ == MAX_PLAN_ROUNDS - 1
-        offloadable = {a.name for a in offload_candidates(attempt.final, attempt.fw, num_fwd_outputs, options)}
-        storages = group_by_storage(attempt.final)
-        forced, forced_why = _forced(storages, offloadable, requests, options)
-        if budget is None and not forced:
-            return attempt
-        with step(graph_name, f"plan round {round_}"):
-            problem, flops = build_problem(
-                storages,
-                attempt.fw,
-                step_costs(attempt.fw, options.cost_model, device),
-                step_costs(attempt.bw, options.cost_model, device),
-                bandwidth_bytes_per_ms(options, device),
-                offloadable=offloadable,
-                forced=forced,
-                allow_recompute=budget is not None and not last,
-                cost_model=options.cost_model,
-                device=device,
-                not_recomputable=stuck,
-            )
-            solution = decide(problem, budget, options.prefetch)
-            choices = reasons(problem, solution, storages, flops, forced_why, budget)
-        attempt.choices, attempt.solution, attempt.problem, attempt.storages = (
-            choices, solution, problem, storages
-        )
-        rebuilt = [a for s in storages if choices[s.key].kind == "recompute" for a in s.members]
-        if not rebuilt:
-            return attempt
-        # min-cut carries out recompute choices itself: tag them, partition again, re-plan.
-        ms_of = {
-            s.key: problem.candidates.recompute_ms[i]
-            for i, s in enumerate(storages)
-            if choices[s.key].kind == "recompute"
-        }
-        attempt.recompute_ms += sum(ms_of.values())
-        for a in rebuilt:
-            attempt.reasons[a.name] = choices[a.storage].reason
-            attempt.flops[a.name] = flops.get(a.name, 0.0)
-            attempt.rebuilt[a.name] = a
-        if not owned:
-            attempt.tagged, owned = clone_joint(tagged), True
-        _tag_recompute(attempt.tagged, {a.name for a in rebuilt})
-        with step(graph_name, "min-cut (re-plan)"):
-            attempt.fw, attempt.bw = cut(attempt.tagged)
-            attempt.final = saved_activations(attempt.fw, attempt.bw, num_fwd_outputs, blocks)
-        still = {a.name for a in attempt.final} & {a.name for a in rebuilt}
-        for name in still:
-            attempt.reasons.pop(name, None)
-            attempt.flops.pop(name, None)
-            attempt.rebuilt.pop(name, None)
-        attempt.recompute_ms -= sum(ms_of[k] for k in {a.storage for a in rebuilt if a.name in still})
-        stuck |= still
-    return attempt
+    layout: Layout = NONE
+    names: set[str] = dataclasses.field(default_factory=set)
+    stuck: set[str] = dataclasses.field(default_factory=set)
+    rebuilt: dict[str, SavedActivation] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    ms_of: dict[str, float] = dataclasses.field(default_factory=dict)  # storage -> ms
+    recuts: int = 0
+
+    @property
+    def recompute_ms(self) -> float:
+        return sum(self.ms_of.values())
+
+    def take(self, decision: RoundDecision, part: Partition) -> None:
+        new = decision.layout
+        if new.kind == "blocks" and self.layout.kind == "blocks":
+            blocks = sorted(self.layout.blocks | new.blocks)
+            self.layout = Layout(tuple((b,) for b in blocks), "blocks")
+        elif new.blocks:
+            self.layout = new
+        self.names |= decision.recompute
+        for a in part.saved:
+            if a.name in decision.recompute:
+                self.reasons[a.name] = decision.choices[a.storage].reason
+                self.flops[a.name] = decision.flops.get(a.name, 0.0)
+                self.rebuilt[a.name] = a
+                self.ms_of[a.storage] = decision.recompute_ms.get(a.storage, 0.0)
+
+    def carried_out(self, part: Partition) -> None:
+        """Tensors min-cut saved although asked to rebuild them (a boundary between two
+        checkpoint regions forces a save there): later rounds must keep or offload them."""
+        self.recuts += 1
+        still = {a.name for a in part.saved} & self.names
+        for a in part.saved:
+            if a.name in still:
+                self.reasons.pop(a.name, None)
+                self.flops.pop(a.name, None)
+                self.rebuilt.pop(a.name, None)
+                self.ms_of.pop(a.storage, None)
+        self.stuck |= still
+
+    def notes(self) -> list[str]:
+        if not self.layout.blocks:
+            return []
+        return [f"segment_stride is unset: recomputes {self.layout.describe()} to meet the budget"]
 
 
-def _extra_segment_steps(
-    blocks: tuple[int, ...], segments: dict[int, int], budget: int | None, options: Options
-) -> Iterator[frozenset[int]]:
-    """Blocks to recompute on top of the user's segments: none, then every other free block,
-    then every free block. Only with a budget and no stride of the user's own."""
-    yield frozenset()
-    if budget is None or options.segment_stride > 0:
-        return
-    free = [b for b in blocks if b not in segments]
-    if len(free) > 1:
-        yield frozenset(free[::2])
-    if free:
-        yield frozenset(free)
+def tag_layout(joint: fx.GraphModule, blocks: BlockFacts, layout: Layout) -> SegmentReport:
+    """Tag a layout's segments as :func:`tag_segments` tags a user's stride."""
+    if layout.kind == "stride":
+        return tag_segments(joint, blocks, layout.stride, layout.stride)
+    return tag_segments(joint, blocks, 0, 0, extra_blocks=layout.blocks)
 
 
-def _resident(fw: fx.GraphModule, attempt: Attempt) -> list[str]:
+def _resident(fw: fx.GraphModule, part: Partition, decision: RoundDecision | None) -> list[str]:
     """Kept saved tensors the note reports. RNG states the partitioner saves to replay a
     recomputed op (``run_and_save_rng_state``) carry real tensors as meta values, which
     Inductor's fake-tensor lowering of the note would refuse; they are a few KiB."""
     nodes = {n.name: n for n in fw.graph.nodes}
     return [
         a.name
-        for a in attempt.final
-        if attempt.choices.get(a.storage, _KEEP).kind == "keep" and not _is_rng_state(nodes[a.name])
+        for a in part.saved
+        if (decision is None or decision.kind_of(a.storage) == "keep")
+        and not _is_rng_state(nodes[a.name])
     ]
 
 
@@ -442,15 +368,16 @@ def _is_rng_state(node: fx.Node) -> bool:
     return node.target is rng or (isinstance(parent, fx.Node) and parent.target is rng)
 
 
-def _offloaded(attempt: Attempt) -> list[tuple[SavedActivation, int, int]]:
-    if attempt.solution is None or attempt.storages is None:
+def _offloaded(part: Partition, decision: RoundDecision | None
+               ) -> list[tuple[SavedActivation, int, int]]:
+    if decision is None:
         return []
-    sim = attempt.solution.sim
-    index = {s.key: i for i, s in enumerate(attempt.storages)}
+    sim = decision.solution.sim
+    index = {s.key: i for i, s in enumerate(decision.storages)}
     return [
         (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
-        for a in attempt.final
-        if attempt.choices[a.storage].kind == "offload"
+        for a in part.saved
+        if decision.kind_of(a.storage) == "offload"
     ]
 
 

@@ -56,7 +56,7 @@ def _on_meta(node: fx.Node) -> bool:
     return isinstance(first, torch.Tensor) and first.device.type == "meta"
 
 
-def _random_output(node: fx.Node) -> bool:
+def random_output(node: fx.Node) -> bool:
     """A random op, or a getitem of one (``native_dropout`` returns output and mask)."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _is_random(node.args[0])
@@ -115,7 +115,7 @@ def tag_segments(
             # A multi-output random op cannot be saved itself; its getitems are saved.
             kept_random += 1
             continue
-        if _random_output(node):
+        if random_output(node):
             node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
             continue
         node.meta[meta.RECOMPUTE] = CheckpointPolicy.PREFER_RECOMPUTE
@@ -131,3 +131,10 @@ def tag_segments(
     )
     log.debug("fxckpt: segments %s (tagged %d nodes)", report.segments, tagged)
     return report
+
+
+def tag_recompute(joint: fx.GraphModule, names: set[str] | frozenset[str]) -> None:
+    """After this pass, min-cut must rebuild the named forward nodes in the backward."""
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE

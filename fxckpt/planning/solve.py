@@ -16,7 +16,7 @@ Methods:
   sequence, so they are nested. Its peak is *not* monotone, though: an offload queues on the
   copy channels and can hold another offloaded tensor resident longer. So binary search over
   the prefix length would not be valid. Every point's exact peak and cost are therefore
-  tracked (:class:`~fxckpt.graph.memory.IncrementalSim`). The Pareto chain is kept: points
+  tracked (:class:`~fxckpt.graph.incremental.IncrementalSim`). The Pareto chain is kept: points
   whose peak falls strictly and whose cost never falls, with none beaten on both counts by an
   earlier one. A budget gets the first chain point that fits. As the budget shrinks, that point
   moves later, so the peak never rises, the cost never falls and the evicted sets stay nested
@@ -36,6 +36,8 @@ Methods:
 - ``"brute"``: every combination (n <= 12), the checker for tests.
 - ``"auto"`` is greedy. MILP optima are not nested across budgets (PLANNER_NOTES (d)), and
   monotonicity in the budget is a hard requirement, so the MILP stays a checker.
+
+The MILP and brute force live in :mod:`fxckpt.planning.checkers`.
 """
 
 from __future__ import annotations
@@ -43,19 +45,14 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise, product
 
+from fxckpt.graph.incremental import IncrementalSim
 from fxckpt.graph.memory import (
-    OFFLOAD_PRICE_MS_PER_BYTE,
-    IncrementalSim,
     Problem,
     SimResult,
     isolated_offload,
-    offload_schedule,
-    residency,
     simulate,
 )
 
@@ -84,7 +81,7 @@ class Solution:
         return frozenset(i for i, c in enumerate(self.choices) if c != "keep")
 
 
-def _finish(problem: Problem, choices: Sequence[str], budget: int | None, method: str,
+def make_solution(problem: Problem, choices: Sequence[str], budget: int | None, method: str,
             prefetch: str) -> Solution:
     sim = simulate(problem, choices, prefetch=prefetch)  # type: ignore[arg-type]
     return Solution(list(choices), sim.peak, sim.peak_at, sim.cost_ms,
@@ -92,7 +89,7 @@ def _finish(problem: Problem, choices: Sequence[str], budget: int | None, method
                     sim.hide_ms, sim)
 
 
-def _base(problem: Problem) -> list[str]:
+def base_choices(problem: Problem) -> list[str]:
     c = problem.candidates
     return [c.forced_of(i) or "keep" for i in range(len(c))]
 
@@ -111,15 +108,19 @@ def solve(problem: Problem, budget_bytes: int | None, *, method: str = "auto",
     if prefetch not in ("auto", "jit"):
         raise ValueError(f"prefetch={prefetch!r}; expected 'auto' or 'jit'")
     if budget_bytes is None:
-        return _finish(problem, _base(problem), None, "greedy" if method == "auto" else method,
+        return make_solution(problem, base_choices(problem), None, "greedy" if method == "auto" else method,
                        prefetch)
     if method == "brute":
-        return _finish(problem, _brute(problem, budget_bytes, prefetch), budget_bytes, "brute",
-                       prefetch)
+        from fxckpt.planning.checkers import brute
+
+        return make_solution(problem, brute(problem, budget_bytes, prefetch), budget_bytes,
+                             "brute", prefetch)
     if method == "milp":
-        choices = _milp(problem, budget_bytes, prefetch)
+        from fxckpt.planning.checkers import milp
+
+        choices = milp(problem, budget_bytes, prefetch)
         if choices is not None:
-            return _finish(problem, choices, budget_bytes, "milp", prefetch)
+            return make_solution(problem, choices, budget_bytes, "milp", prefetch)
     return greedy_curve(problem, prefetch).solution(budget_bytes)
 
 
@@ -178,14 +179,14 @@ class GreedyCurve:
     frontier: list[int]  # kept point indices: peak falls, cost rises
 
     def choices_at(self, k: int) -> list[str]:
-        choices = _base(self.problem)
+        choices = base_choices(self.problem)
         for i, ch in self.steps[:k]:
             choices[i] = ch
         return choices
 
     def solution(self, budget: int) -> Solution:
         k = next((k for k in self.frontier if self.points[k][0] <= budget), self.frontier[-1])
-        return _finish(self.problem, self.choices_at(k), budget, "greedy", self.prefetch)
+        return make_solution(self.problem, self.choices_at(k), budget, "greedy", self.prefetch)
 
 
 def greedy_curve(problem: Problem, prefetch: str = "auto") -> GreedyCurve:
@@ -203,7 +204,7 @@ def greedy_curve(problem: Problem, prefetch: str = "auto") -> GreedyCurve:
 
 def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
     c, n = problem.candidates, len(problem)
-    S, base = problem.prefix_ms(), _base(problem)
+    S, base = problem.prefix_ms(), base_choices(problem)
     tr = IncrementalSim(problem, prefetch, base)
     live = [-1] * (2 * n)  # version of the valid entry of each (candidate, kind), -1: none
     index = _CoverIndex(problem.timeline.num_positions, live)
@@ -212,12 +213,12 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
         if c.forced_of(i) is not None or c.bytes[i] <= 0:
             continue
         if math.isfinite(c.recompute_ms[i]):
-            initial.append(((c.recompute_ms[i] / c.bytes[i], i, _RECOMPUTE, 0), c.produced[i],
-                            c.first_bw_use[i] - 1))
+            initial.append(((c.recompute_ms[i] / c.bytes[i], i, _RECOMPUTE, 0),
+                            c.last_fw_use[i] + 1, c.first_bw_use[i] - 1))
             live[2 * i + _RECOMPUTE] = 0
         if c.can_offload[i]:
             done, issue, exp = isolated_offload(problem, S, i, prefetch)
-            key = (exp + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]) / c.bytes[i]
+            key = (exp + problem.offload_fixed_ms(i)) / c.bytes[i]
             initial.append(((key, i, _OFFLOAD, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
             live[2 * i + _OFFLOAD] = 0
     for entry, lo, hi in sorted(initial):
@@ -257,7 +258,7 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
                     continue
                 opts.append((e, node, exact, spans))
             else:
-                opts.append((e, node, c.recompute_ms[i], [(c.produced[i], fbu - 1)]))
+                opts.append((e, node, c.recompute_ms[i], [(c.last_fw_use[i] + 1, fbu - 1)]))
         if not opts:
             break
         # Of the cheapest-per-byte options, take the one with the least cost per byte of peak
@@ -330,132 +331,3 @@ def _frontier(points: list[tuple[int, float]]) -> list[int]:
         if pk > points[stack[-1]][0] and ck <= points[stack[-1]][1]:
             stack.append(k)
     return stack[::-1]
-
-
-# --- exact checkers -------------------------------------------------------------------------
-
-
-def _brute(problem: Problem, budget: int, prefetch: str) -> list[str]:
-    """Every combination: min cost among those that fit, else min peak (ties: min cost)."""
-    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
-    if n > 12:
-        raise ValueError(f"brute force is for n <= 12 candidates, got {n}")
-    S = problem.prefix_ms()
-    fixed = list(problem.timeline.fixed_resident or [0] * T)
-    allowed = [c.allowed(i) for i in range(n)]
-    may_off = [i for i in range(n) if "offload" in allowed[i]]
-    best: tuple | None = None  # (infeasible, cost or peak, peak or cost, choices)
-
-    def vec(spans: list[tuple[int, int]], b: int) -> list[int]:
-        v = [0] * T
-        for lo, hi in spans:
-            for t in range(lo, hi + 1):
-                v[t] += b
-        return v
-
-    kr = {(i, ch): vec(residency(problem, i, ch), c.bytes[i])
-          for i in range(n) for ch in ("keep", "recompute")}
-    for off in product((False, True), repeat=len(may_off)):
-        chosen = [i for i, o in zip(may_off, off, strict=True) if o]
-        if any(allowed[i] == ("offload",) for i in set(may_off) - set(chosen)):
-            continue
-        done, issue, exp = offload_schedule(problem, S, chosen, prefetch)
-        base, cost0 = fixed[:], sum(exp.values())
-        for i in chosen:
-            base = [x + y for x, y in zip(base, vec(residency(problem, i, "offload", done[i],
-                                                              issue[i]), c.bytes[i]), strict=True)]
-            cost0 += OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
-        rest = [i for i in range(n) if i not in done]
-        opts = [[ch for ch in ("keep", "recompute") if ch in allowed[i]] for i in rest]
-        for combo in product(*opts):
-            res, cost = base, cost0
-            for i, ch in zip(rest, combo, strict=True):
-                res = [x + y for x, y in zip(res, kr[i, ch], strict=True)]
-                cost += c.recompute_ms[i] if ch == "recompute" else 0.0
-            peak = max(res, default=0)
-            choices = ["offload"] * n
-            for i, ch in zip(rest, combo, strict=True):
-                choices[i] = ch
-            key = (0, cost, peak, choices) if peak <= budget else (1, peak, cost, choices)
-            if best is None or key < best:
-                best = key
-    assert best is not None
-    return best[3]
-
-
-def _milp(problem: Problem, budget: int, prefetch: str, time_limit: float = 10.0
-          ) -> list[str] | None:
-    """HiGHS on the optimistic copy model; if its answer breaks the budget, on the pessimistic one.
-
-    Optimistic: each offload timed alone on the channels, the most favourable timing it can
-    get, so the model is exact when copies do not queue and infeasible only if the problem is.
-    Pessimistic: each offload timed as if everything that may be offloaded were, which bounds
-    its residency for any actual set (both FIFO chains are max-plus in the offloaded set). So
-    that answer fits when simulated. Returns None when scipy is missing, the budget can't be
-    met, or HiGHS runs out of time; the caller then falls back to the greedy.
-    """
-    try:
-        import numpy  # noqa: F401
-        import scipy.optimize  # noqa: F401
-    except ImportError:
-        return None
-    n, S = len(problem), problem.prefix_ms()
-    allkeep = simulate(problem, ["keep"] * n, prefetch=prefetch).resident  # type: ignore[arg-type]
-    if max(allkeep, default=0) <= budget:
-        return _base(problem)
-    if n == 0:
-        return None
-    may_offload = [i for i in range(n) if "offload" in problem.candidates.allowed(i)]
-    done, issue, exposed = offload_schedule(problem, S, may_offload, prefetch)
-    models = ([isolated_offload(problem, S, i, prefetch) for i in range(n)],
-              [(done.get(i, -1), issue.get(i, -1), exposed.get(i, 0.0)) for i in range(n)])
-    deadline = time.monotonic() + time_limit
-    for timing in models:
-        choices = _milp_once(problem, budget, allkeep, timing, deadline - time.monotonic())
-        if choices is None:
-            return None
-        if simulate(problem, choices, prefetch=prefetch).peak <= budget:  # type: ignore[arg-type]
-            return choices
-    return None
-
-
-def _milp_once(problem: Problem, budget: int, allkeep: list[int],
-               timing: list[tuple[int, int, float]], time_limit: float) -> list[str] | None:
-    """One HiGHS solve; ``timing[i]``: offload ``i``'s (d2h_done, prefetch_issue, exposed ms)."""
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    c, n, T = problem.candidates, len(problem), problem.timeline.num_positions
-    if time_limit <= 0:
-        return None
-    unit = float(2**20) if max(c.bytes) >= 2**20 else 1.0
-    obj, lo, hi = np.zeros(2 * n), np.zeros(2 * n), np.ones(2 * n)
-    spans: list[tuple[int, int]] = [(0, -1)] * (2 * n)  # flag j frees positions spans[j]
-    for i, (done, issue, exposed) in enumerate(timing):
-        allowed = c.allowed(i)
-        obj[i] = c.recompute_ms[i] if math.isfinite(c.recompute_ms[i]) else 0.0
-        obj[n + i] = exposed + OFFLOAD_PRICE_MS_PER_BYTE * c.bytes[i]
-        hi[i], hi[n + i] = "recompute" in allowed, "offload" in allowed
-        lo[i], lo[n + i] = allowed == ("recompute",), allowed == ("offload",)
-        spans[i] = (c.produced[i], c.first_bw_use[i] - 1)
-        if "offload" in allowed:
-            spans[n + i] = (max(c.last_fw_use[i], done) + 1, issue - 1)
-    # Positions between consecutive span ends share one covering set: keep the tightest row.
-    cuts = sorted({0, T, *(x for a, b in spans if a <= b for x in (a, b + 1))})
-    rows, rhs = [], []
-    for u, v in pairwise(cuts):
-        need = max(allkeep[u:v], default=0) - budget
-        if need > 0:
-            rows.append([c.bytes[j % n] / unit if spans[j][0] <= u <= spans[j][1] else 0.0
-                         for j in range(2 * n)])
-            rhs.append(need / unit)
-    one = np.zeros((n, 2 * n))
-    one[np.arange(n), np.arange(n)] = one[np.arange(n), n + np.arange(n)] = 1
-    r = milp(obj, integrality=np.ones(2 * n), bounds=Bounds(lo, hi),
-             constraints=[LinearConstraint(np.array(rows), np.array(rhs), np.inf),
-                          LinearConstraint(one, 0, 1)],
-             options={"time_limit": time_limit, "mip_rel_gap": 1e-9})
-    if r.x is None:
-        return None
-    x = np.round(r.x).astype(int)
-    return ["recompute" if x[i] else "offload" if x[n + i] else "keep" for i in range(n)]

@@ -161,3 +161,15 @@ def test_measure_bandwidth_cuda():
     assert measure_bandwidth("cuda") == bw
     mm = traced()["aten.mm.default"]
     assert node_cost_ms(mm, "profile", "cuda") > 0
+
+
+def test_copy_overhead_is_a_per_engine_figure_and_zero_for_unit_costs(monkeypatch):
+    from fxckpt.graph import costs
+
+    assert costs.copy_overhead_ms("cpu", "unit") == 0.0
+    assert costs.copy_overhead_ms("cpu", "flops") == costs.COPY_OVERHEAD_MS["cpu"] > 0
+    # Offline plans (meta) and CUDA price a GPU's engine.
+    assert costs.copy_overhead_ms("meta", "flops") == costs.copy_overhead_ms("cuda:0", "profile")
+    assert costs.copy_overhead_ms(torch.device("cuda", 1), "flops") == costs.COPY_OVERHEAD_MS["cuda"]
+    monkeypatch.setitem(costs.COPY_OVERHEAD_MS, "cpu", 7.0)  # overridable, e.g. from a probe
+    assert costs.copy_overhead_ms(torch.device("cpu"), "flops") == 7.0

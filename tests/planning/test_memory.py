@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fxckpt.graph.liveness import live_bytes_timeline, peak_live_bytes
 from fxckpt.graph.memory import (
     OFFLOAD_PRICE_MS_PER_BYTE,
     Candidates,
     Problem,
     Timeline,
-    live_bytes_timeline,
-    peak_live_bytes,
     simulate,
 )
 
@@ -36,11 +36,13 @@ def two_tensors(bandwidth: float = 100.0, produced_b: int = 1) -> Problem:
 
 def test_keep_and_recompute_residency():
     pb = two_tensors()
+    # Both count from the end of their last forward use (position 1) on: before that the
+    # forward needs them whatever the plan says.
     keep = simulate(pb, ["keep", "keep"])
-    assert keep.resident == [110, 160, 160, 160, 110, 110]
-    assert (keep.peak, keep.peak_at, keep.cost_ms) == (160, 1, 0.0)
+    assert keep.resident == [10, 10, 160, 160, 110, 110]
+    assert (keep.peak, keep.peak_at, keep.cost_ms) == (160, 2, 0.0)
     rec = simulate(pb, ["recompute", "keep"])  # A lives only over its backward uses [4, 5]
-    assert rec.resident == [10, 60, 60, 60, 110, 110]
+    assert rec.resident == [10, 10, 60, 60, 110, 110]
     assert (rec.peak, rec.peak_at, rec.cost_ms) == (110, 4, 2.0)
     both = simulate(pb, ["recompute", "recompute"])
     assert both.resident == [10, 10, 10, 60, 110, 110]
@@ -52,7 +54,7 @@ def test_offload_auto_hides_behind_compute():
     # which is position 3, the first backward node. Both hide, so only the price is paid.
     sim = simulate(two_tensors(), ["offload", "keep"], prefetch="auto")
     assert (sim.d2h_done[0], sim.prefetch_issue[0]) == (1, 3)
-    assert sim.resident == [110, 160, 60, 160, 110, 110]
+    assert sim.resident == [10, 10, 60, 160, 110, 110]
     assert sim.exposed_ms == [0.0, 0.0]
     assert sim.cost_ms == pytest.approx(100 * OFFLOAD_PRICE_MS_PER_BYTE)
     assert sim.hide_ms[0] == 2.0 + 1.0  # forward after production + backward before first use
@@ -62,7 +64,7 @@ def test_offload_auto_hides_behind_compute():
 def test_offload_jit_prefetches_at_first_use_and_pays_the_copy():
     sim = simulate(two_tensors(), ["offload", "keep"], prefetch="jit")
     assert sim.prefetch_issue[0] == 4
-    assert sim.resident == [110, 160, 60, 60, 110, 110]
+    assert sim.resident == [10, 10, 60, 60, 110, 110]
     assert sim.exposed_ms[0] == 1.0
     assert sim.cost_ms == pytest.approx(1.0 + 100 * OFFLOAD_PRICE_MS_PER_BYTE)
 
@@ -91,6 +93,27 @@ def test_d2h_is_one_fifo_channel():
     assert queued.exposed_ms[1] == pytest.approx(0.5)
 
 
+def test_a_copy_that_outlives_the_forward_use_keeps_the_tensor_resident():
+    # 2 ms copies: A's D2H runs 1..3, past its last forward use (position 1), so A stays
+    # resident through position 2, where the copy ends.
+    sim = simulate(two_tensors(bandwidth=50.0), ["offload", "keep"])
+    assert sim.d2h_done[0] == 2
+    assert sim.resident[:3] == [10, 10, 10 + 100 + 50]
+
+
+def test_copy_overhead_is_paid_per_offload_and_never_hidden():
+    pb = two_tensors()
+    priced = Problem(dataclasses.replace(pb.timeline, copy_overhead_ms=0.25), pb.candidates)
+    one = simulate(priced, ["offload", "keep"])
+    two = simulate(priced, ["offload", "offload"])
+    assert one.cost_ms == pytest.approx(0.25 + 100 * OFFLOAD_PRICE_MS_PER_BYTE)
+    # Two offloads pay it twice on top of whatever their queued copies expose.
+    assert two.cost_ms - simulate(pb, ["offload", "offload"]).cost_ms == pytest.approx(0.5)
+    assert one.resident == simulate(pb, ["offload", "keep"]).resident
+    with pytest.raises(ValueError, match="copy_overhead_ms"):
+        Problem(dataclasses.replace(pb.timeline, copy_overhead_ms=-1.0), pb.candidates)
+
+
 def test_zero_length_nodes_and_infinite_bandwidth():
     pb = Problem(
         Timeline([0.0, 1.0, 0.0, 0.0, 1.0], 2, math.inf),
@@ -98,7 +121,7 @@ def test_zero_length_nodes_and_infinite_bandwidth():
     )
     sim = simulate(pb, ["offload"])
     assert (sim.d2h_done[0], sim.prefetch_issue[0]) == (0, 3)
-    assert sim.resident == [8, 0, 0, 8, 8]
+    assert sim.resident == [0, 0, 0, 8, 8]
     assert sim.exposed_ms == [0.0]
 
 

@@ -20,6 +20,7 @@ STEP_MS = [0.0, 0.5, 1.0, 2.0, 3.0]
 BYTES = [0, 100, 200, 300, 500, 800]
 RECOMPUTE_MS = [math.inf, 0.0, 0.5, 1.0, 2.0, 4.0]
 BANDWIDTH = [25.0, 100.0, 400.0, math.inf]  # bytes per ms: 100 B copies take 4 ms .. 0 ms
+COPY_OVERHEAD_MS = [0.0, 0.0, 0.3, 2.0]  # per offloaded tensor
 
 
 def _allowed(rec: float, can_offload: bool) -> list[str]:
@@ -42,7 +43,9 @@ def problems(draw, max_n: int = 8, max_half: int = 10) -> Problem:
         for col, v in zip(cols, row, strict=True):
             col.append(v)
     fixed = draw(st.none() | st.lists(st.sampled_from([0, 100, 300]), min_size=T, max_size=T))
-    return Problem(Timeline(step, F, draw(st.sampled_from(BANDWIDTH)), fixed), Candidates(*cols))
+    overhead = draw(st.sampled_from(COPY_OVERHEAD_MS))
+    return Problem(Timeline(step, F, draw(st.sampled_from(BANDWIDTH)), fixed, overhead),
+                   Candidates(*cols))
 
 
 def random_problem(rng: random.Random, n: int, bandwidth: float | None = None,

@@ -1,0 +1,278 @@
+"""One planning round: the facts of one partition in, a decision out.
+
+The partitioner alternates deciding and rewriting. A round reads the saved tensors of one
+partition, builds the solver's problem (:mod:`fxckpt.passes.budget`), searches block layouts
+when the user left ``segment_stride`` unset (:mod:`fxckpt.planning.layouts`), and returns a
+:class:`RoundDecision`: keep / offload / recompute per storage with a reason each, the blocks
+to recompute, and the single ops to rebuild. It never changes a graph; carrying a decision out
+(tagging the joint graph, running min-cut again) is :mod:`fxckpt.passes.partition`'s job, and
+:func:`settle` is what follows the last round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxckpt.errors import BudgetError
+from fxckpt.graph.activations import SavedActivation
+from fxckpt.graph.blocks import BlockFacts
+from fxckpt.graph.costs import copy_overhead_ms
+from fxckpt.graph.memory import Problem, simulate
+from fxckpt.options import Options
+from fxckpt.passes.budget import (
+    Storage,
+    bandwidth_bytes_per_ms,
+    build_problem,
+    cap_host_pool,
+    forced_offloads,
+    group_by_storage,
+    offload_candidates,
+    reasons,
+    step_costs,
+)
+from fxckpt.passes.segment import random_output
+from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, search
+from fxckpt.planning.planner import Choice
+from fxckpt.planning.solve import Solution
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One min-cut's forward and backward graphs and the tensors the forward saves."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    saved: list[SavedActivation]
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """What one round decided about one partition."""
+
+    storages: list[Storage]
+    problem: Problem  # as the chosen layout leaves it
+    solution: Solution
+    choices: dict[str, Choice]  # storage key -> choice and reason
+    layout: Layout  # blocks to recompute on top of the partition's own
+    recompute: frozenset[str]  # saved tensors to rebuild one op at a time
+    recompute_ms: dict[str, float]  # storage key -> ms, for those single ops
+    flops: dict[str, float]  # activation name -> FLOPs to rebuild it
+    blocks_ms: float
+
+    @property
+    def feasible(self) -> bool:
+        return self.solution.feasible
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether carrying it out needs another partition."""
+        return bool(self.layout.blocks or self.recompute)
+
+    def kind_of(self, storage: str) -> str:
+        choice = self.choices.get(storage)
+        return "keep" if choice is None else choice.kind
+
+
+def choose(problem: Problem, blocks: Blocks | None, budget: int | None, prefetch: str) -> Pick:
+    """The solver's answer for one round (benchmarks wrap this to capture problems)."""
+    if budget is None:
+        from fxckpt.planning.solve import solve
+
+        return Pick(NONE, problem, solve(problem, None, prefetch=prefetch), 0.0, {})
+    return search(problem, blocks, budget, prefetch)
+
+
+class RoundPlanner:
+    """Decides one partition at a time for one graph, under fixed options and budget."""
+
+    def __init__(
+        self,
+        options: Options,
+        budget: int | None,
+        device: torch.device,
+        blocks: BlockFacts,
+        num_fwd_outputs: int,
+        requests: Set[str],
+    ) -> None:
+        self.options, self.budget, self.device = options, budget, device
+        self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
+
+    def decide(
+        self,
+        part: Partition,
+        *,
+        search_blocks: bool = False,
+        allow_recompute: bool = True,
+        keep_first: bool = False,
+        stuck: Set[str] = frozenset(),
+    ) -> RoundDecision | None:
+        """Decide ``part``; ``None`` when there is nothing to decide (no budget, nothing forced).
+
+        ``search_blocks``: may recompute more blocks. ``allow_recompute``: may rebuild single
+        ops (only while another partition can carry it out). ``keep_first``: take a plan that
+        keeps or offloads only when one meets the budget, so a round that follows a recompute
+        does not ask for another. ``stuck``: tensors min-cut would not rebuild when asked.
+        """
+        opts, budget = self.options, self.budget
+        offloadable = {
+            a.name for a in offload_candidates(part.saved, part.fw, self.num_fwd_outputs, opts)
+        }
+        storages = group_by_storage(part.saved)
+        forced, forced_why = forced_offloads(storages, offloadable, self.requests, opts)
+        if budget is None and not forced:
+            return None
+        fw_ms = step_costs(part.fw, opts.cost_model, self.device)
+        bw_ms = step_costs(part.bw, opts.cost_model, self.device)
+        problem, flops = build_problem(
+            storages,
+            part.fw,
+            fw_ms,
+            bw_ms,
+            bandwidth_bytes_per_ms(opts, self.device),
+            offloadable=offloadable,
+            forced=forced,
+            allow_recompute=budget is not None and allow_recompute,
+            cost_model=opts.cost_model,
+            device=self.device,
+            not_recomputable=stuck,
+            copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
+        )
+        # Blocks, like single ops, only while another partition can carry them out.
+        recompute = search_blocks and allow_recompute and budget is not None
+        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if recompute else None
+        pick = None
+        if keep_first and budget is not None:
+            c = problem.candidates
+            plain = Problem(problem.timeline, dataclasses.replace(c, recompute_ms=[math.inf] * len(c)))
+            pick = choose(plain, None, budget, opts.prefetch)
+            pick = pick if pick.feasible else None
+        if pick is None:
+            pick = choose(problem, facts, budget, opts.prefetch)
+        return _decision(pick, storages, flops, forced_why, budget)
+
+
+def _decision(
+    pick: Pick, storages: list[Storage], flops: dict[str, float], forced_why: dict[str, str],
+    budget: int | None,
+) -> RoundDecision:
+    choices = reasons(pick.problem, pick.solution, storages, flops, forced_why, budget)
+    single: set[str] = set()
+    single_ms: dict[str, float] = {}
+    for i, s in enumerate(storages):
+        if i in pick.freed:
+            block = s.members[0].block
+            choices[s.key] = Choice("recompute", f"recompute: block {block} is recomputed to meet the memory budget")
+        elif choices[s.key].kind == "recompute":
+            single |= {a.name for a in s.members}
+            single_ms[s.key] = pick.problem.candidates.recompute_ms[i]
+    return RoundDecision(
+        storages, pick.problem, pick.solution, choices, pick.layout, frozenset(single),
+        single_ms, flops, pick.blocks_ms,
+    )
+
+
+def block_facts(
+    blocks: BlockFacts, fw: fx.GraphModule, storages: list[Storage], fw_ms: list[float]
+) -> Blocks | None:
+    """What recomputing each block would free and cost, from one partition's forward.
+
+    A storage belongs to a block when all its tensors do and none comes from a random op
+    (those stay saved inside a segment). Its users are the later blocks whose forward reads it.
+    """
+    if not blocks.index_of:
+        return None
+    nodes = list(fw.graph.nodes)
+    ms = dict.fromkeys(blocks.blocks, 0.0)
+    for pos, node in enumerate(nodes):
+        b = blocks.index_of.get(node.name)
+        if b is not None:
+            ms[b] += fw_ms[pos]
+    by_name = {n.name: n for n in nodes}
+    member: list[int | None] = []
+    users: list[tuple[int, ...]] = []
+    for s in storages:
+        owners = {a.block for a in s.members}
+        b = owners.pop() if len(owners) == 1 else None
+        if b is not None and any(random_output(by_name[a.name]) for a in s.members):
+            b = None
+        reads = {
+            c
+            for a in s.members
+            for u in by_name[a.name].users
+            if (c := blocks.index_of.get(u.name)) is not None
+        }
+        member.append(b)
+        users.append(tuple(sorted(c for c in reads if b is not None and c > b)))
+    return Blocks(blocks.blocks, ms, member, users)
+
+
+def settle(
+    decision: RoundDecision, saved: list[SavedActivation], options: Options, budget: int | None,
+    graph_name: str, *, sizes: str = "",
+) -> Solution:
+    """What follows the last round: an unmet budget raises (or warns), the host pool's cap
+    keeps the offloads it cannot hold, and the plan is simulated again if that changed it."""
+    solution = decision.solution
+    if budget is not None and not solution.feasible:
+        infeasible(graph_name, budget, solution.peak, options, sizes=sizes)
+    if cap_host_pool(saved, decision.choices, options.pinned_pool_bytes, graph_name):
+        picked = [decision.kind_of(s.key) for s in decision.storages]
+        sim = simulate(decision.problem, picked, prefetch=options.prefetch)  # type: ignore[arg-type]
+        met = solution.feasible
+        solution = dataclasses.replace(
+            solution, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms,
+            sim=sim,
+        )
+        # Offloads the pool cap kept on the device can push a plan that met the budget over
+        # it; that must raise (or warn) like any infeasible budget, not pass silently.
+        if budget is not None and met and solution.peak > budget:
+            infeasible(graph_name, budget, solution.peak, options, pool_capped=True, sizes=sizes)
+    return solution
+
+
+def infeasible(
+    graph_name: str, budget: int, smallest: int, options: Options, *, pool_capped: bool = False,
+    sizes: str = "",
+) -> None:
+    """Raise :class:`BudgetError` (or warn) naming the smallest figure and what would go lower.
+
+    Every hint names an option the user set: the planner already relaxed the defaults.
+    """
+    hints = ["a larger pinned_pool_bytes"] if pool_capped else []
+    if options.offload == "never":
+        hints.append("offload='auto'")
+    if options.segment_stride == 0 and options.is_explicit("segment_stride"):
+        hints.append("segment_stride unset (the planner then recomputes blocks as needed)")
+    elif options.segment_width is not None and options.segment_width < options.segment_stride:
+        hints.append(f"segment_width={options.segment_stride}")
+    if options.min_offload_bytes > 0 and options.offload != "never":
+        hints.append("a smaller min_offload_bytes")
+    error = BudgetError(graph_name, budget, smallest, hints, sizes)
+    if options.on_infeasible == "raise":
+        raise error
+    warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
+
+
+def timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200
+             ) -> dict[str, Any]:
+    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
+    keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
+    F, T = problem.timeline.num_forward, len(resident)
+    step_ = max(1, math.ceil(T / points))
+    pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
+    return {
+        "forward_end": F // step_,
+        "positions": T,
+        "stride": step_,
+        "baseline": pool(keep_all),
+        "plan": pool(resident),
+        "budget": budget,
+    }
