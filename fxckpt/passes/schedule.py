@@ -215,7 +215,13 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
     for node in nodes:
         if node.meta.get(meta.ROLE) in _PINNED:
             later = set(since)
-            sinks = [n for n in since if not (_reach(n, "users", compute) & later)]
+            # A node read by a later fxckpt op counts too: Inductor may compute it inline for
+            # its compute users and realize it only for that op, as late as it likes.
+            sinks = [
+                n for n in since
+                if not (_reach(n, "users", compute) & later)
+                or any(meta.ROLE in u.meta and u is not node for u in _reach(n, "users", compute))
+            ]
             after = [last] if last is not None and _tensor_val(last) else []
             after += [out for n in sinks if (out := _output(n)) is not None]
             taken = set(node.all_input_nodes)
