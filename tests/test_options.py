@@ -50,6 +50,14 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "prefetch", v) for v in ["early", "JIT", None, 0]),
     *(({}, "copy_streams", v) for v in [0, -1, 33, True, 1.0, "2", None, NAN]),
     *(({}, "pinned_pool_bytes", v) for v in [-1, True, NAN, INF, 0.5, "12 XB", "12 GiBs", []]),
+    ({"host_budget": 4096}, "pinned_pool_bytes", 8192),  # an alias that says otherwise
+    *(({}, "host_budget", v) for v in [
+        -1, True, NAN, INF, -INF, 0.0, -0.5, 1.5, 12e9, "12 XB", "12 GiBs", "-4KiB", "Auto",
+        "lots", "", [], b"64GiB",
+    ]),
+    *(({}, "offload_dir", v) for v in [3, 1.5, True, b"/tmp", [], "", "   ", "/tmp/a\0b"]),
+    ({"offload": "never"}, "offload_dir", "/tmp"),  # nothing would ever reach it
+    *(({}, "offload_dir_bandwidth", v) for v in [0, -1, NAN, INF, True, "fast", "2GB/h", []]),
     *(({}, "bandwidth", v) for v in [
         0, 0.0, -1, -1e9, NAN, INF, True, False, "fast", "25GB/h", "0GB/s", "-1GB/s",
         "25 XB/s", [], 10**400,
@@ -208,7 +216,8 @@ def test_defaults() -> None:
     assert o.to_dict() == {
         "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
         "min_offload_bytes": MiB, "prefetch": "auto", "copy_streams": 1,
-        "pinned_pool_bytes": None, "bandwidth": None, "cost_model": "flops",
+        "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
+        "bandwidth": None, "cost_model": "flops",
         "compiler": "inductor", "on_infeasible": "raise", "blocks": None, "block_index": None,
     }  # fmt: skip
 
@@ -226,6 +235,8 @@ def test_segment_width_defaults_to_stride(stride: int, width: int | None, expect
      ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
      ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
      ("min_offload_bytes", 0, 0), ("pinned_pool_bytes", "8GiB", 8 * GiB),
+     ("host_budget", "64GiB", 64 * GiB), ("host_budget", 0, 0), ("host_budget", 0.25, 0.25),
+     ("host_budget", "auto", "auto"), ("offload_dir_bandwidth", "2GB/s", 2e9),
      ("bandwidth", "25GB/s", 25e9), ("blocks", r"layers\.\d+$", r"layers\.\d+$")],
 )  # fmt: skip
 def test_good_values(name: str, value: Any, expected: Any) -> None:
@@ -283,7 +294,9 @@ def test_cache_key_equal_for_equal_options() -> None:
     "changes",
     [{"memory_budget": 1}, {"memory_budget": 1.0}, {"segment_stride": 1}, {"offload": "all"},
      {"min_offload_bytes": 0}, {"prefetch": "jit"}, {"copy_streams": 2},
-     {"pinned_pool_bytes": 0}, {"bandwidth": 1}, {"cost_model": "unit"},
+     {"pinned_pool_bytes": 0}, {"host_budget": 0.5}, {"host_budget": "auto"},
+     {"offload_dir": "/tmp"}, {"offload_dir_bandwidth": "1GB/s"}, {"bandwidth": 1},
+     {"cost_model": "unit"},
      {"compiler": "eager"}, {"on_infeasible": "warn"}, {"blocks": "x"}],
 )  # fmt: skip
 def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
@@ -295,8 +308,9 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 
 
 def test_option_names() -> None:
-    assert OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
-    assert len(OPTION_NAMES) == 14
+    fields = tuple(f.name for f in dataclasses.fields(Options))
+    assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
+    assert len(fields) == 16
 
 
 @pytest.mark.parametrize(

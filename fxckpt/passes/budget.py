@@ -26,7 +26,6 @@ from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution, solve
-from fxckpt.runtime.pool import size_class
 
 
 @dataclass(frozen=True)
@@ -221,7 +220,7 @@ def _tag_recompute(joint: fx.GraphModule, names: set[str]) -> None:
 def _infeasible(
     graph_name: str, budget: int, smallest: int, options: Options, *, pool_capped: bool = False
 ) -> None:
-    hints = ["a larger pinned_pool_bytes"] if pool_capped else []
+    hints = ["a larger host_budget or an offload_dir"] if pool_capped else []
     if options.offload == "never":
         hints.append("offload='auto'")
     if options.segment_stride == 0:
@@ -263,39 +262,6 @@ def _timeline(problem: Problem, resident: list[int], budget: int | None, points:
 
 
 _KEEP = Choice("keep", "")
-
-
-def cap_host_pool(
-    final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
-) -> bool:
-    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``.
-
-    Returns whether any choice changed.
-    """
-    if cap is None:
-        return False
-    used, dropped = 0, 0
-    seen: set[str] = set()
-    for a in sorted(final, key=lambda a: a.produced):
-        choice = choices.get(a.storage)
-        if choice is None or choice.kind != "offload" or a.storage in seen:
-            continue
-        seen.add(a.storage)
-        need = size_class(a.bytes)  # what the pool will really hand out
-        if used + need <= cap:
-            used += need
-            continue
-        choices[a.storage] = Choice(
-            "keep", f"keep: the host pool is full (pinned_pool_bytes={cap}, {used} B in use)"
-        )
-        dropped += 1
-    if dropped:
-        warnings.warn(
-            f"fxckpt[{graph_name}]: pinned_pool_bytes={cap} holds {used} B of offloads; "
-            f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
-            stacklevel=2,
-        )
-    return dropped > 0
 
 
 def offload_candidates(

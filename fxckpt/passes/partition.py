@@ -50,7 +50,6 @@ from fxckpt.passes.budget import (
     _timeline,
     bandwidth_bytes_per_ms,
     build_problem,
-    cap_host_pool,
     decide,
     group_by_storage,
     offload_candidates,
@@ -59,6 +58,7 @@ from fxckpt.passes.budget import (
     step_costs,
     user_offload_requests,
 )
+from fxckpt.passes.host import HostReport, place_tiers, read_ahead, warn_host_short, with_tiers
 from fxckpt.passes.offload import insert_note, insert_offloads
 from fxckpt.passes.schedule import place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
@@ -160,6 +160,7 @@ class Attempt:
     flops: dict[str, float] = dataclasses.field(default_factory=dict)
     recompute_ms: float = 0.0
     segment_ms: float = 0.0  # the backward's recompute of segment interiors, estimated
+    host: HostReport | None = None  # what the host budget moved
 
     @property
     def feasible(self) -> bool:
@@ -254,14 +255,11 @@ def partition(
         feasible = attempt.solution.feasible
         if budget is not None and not feasible:
             _infeasible(graph_name, budget, attempt.solution.peak, options)
-        if cap_host_pool(attempt.final, attempt.choices, options.pinned_pool_bytes, graph_name):
-            attempt.solution = _resimulate(
-                attempt.problem, attempt.storages or [], attempt.choices, options.prefetch, attempt.solution
-            )
-            # Offloads the pool cap kept on the device can push a plan that met the budget
-            # over it; that must raise (or warn) like any infeasible budget, not pass silently.
-            if budget is not None and feasible and attempt.solution.peak > budget:
-                _infeasible(graph_name, budget, attempt.solution.peak, options, pool_capped=True)
+        # Offloads the host budget kept on the device can push a plan that met the budget
+        # over it; that must raise (or warn) like any infeasible budget, not pass silently.
+        elif budget is not None and attempt.solution.peak > budget:
+            _infeasible(graph_name, budget, attempt.solution.peak, options, pool_capped=True)
+        warn_host_short(graph_name, attempt.host)
         peak = attempt.solution.sim.peak
         timeline = _timeline(attempt.problem, attempt.solution.sim.resident, budget)
     seen = {a.name: a for a in baseline}
@@ -287,7 +285,9 @@ def partition(
     plan.timeline = timeline
     fw, bw = attempt.fw, attempt.bw
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, place_offloads(fw, bw, _offloaded(attempt)))
+        offloaded = read_ahead(_offloaded(attempt), attempt.choices, attempt.problem, options)
+        placed = with_tiers(place_offloads(fw, bw, offloaded), attempt.final, attempt.choices)
+        fw, bw = insert_offloads(fw, bw, placed)
         payload = record(plan)
         resident = _resident(fw, attempt)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
@@ -352,6 +352,12 @@ def _plan(
             )
             solution = decide(problem, budget, options.prefetch)
             choices = reasons(problem, solution, storages, flops, forced_why, budget)
+            # The host budget may send offloads to disk, or turn them into recompute / keep.
+            attempt.host, changed = place_tiers(problem, [s.key for s in storages], choices,
+                                                options, allow_recompute=not last,
+                                                report=attempt.host)  # fmt: skip
+            if changed:
+                solution = _resimulate(problem, storages, choices, options.prefetch, solution)
         attempt.choices, attempt.solution, attempt.problem, attempt.storages = (
             choices, solution, problem, storages
         )

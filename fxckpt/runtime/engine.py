@@ -44,6 +44,7 @@ class Transfer:
     src_stream: Any = None  # CUDA stream the source was produced on
     dev_stream: Any = None  # CUDA stream ``dev`` was allocated on
     error: str | None = None  # an injected failure (CUDA has no worker to raise in)
+    disk: Any = None  # the disk tier's DiskCopy, for a tensor that goes to a file
 
     def describe(self) -> str:
         return (
@@ -69,6 +70,16 @@ class Engine(Protocol):
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         """Drop device references safely; returns when the host buffer may be reused."""
+
+    def wait_copied(self, d2h: Any, rec: Transfer) -> None:
+        """Block the calling (worker) thread until the device-to-host copy ``d2h`` is complete."""
+
+    def restore_sync(self, rec: Transfer, host: torch.Tensor) -> torch.Tensor:
+        """On a worker thread: a fresh device span holding ``host``'s bytes, copied completely
+        before this returns (``host`` may be reused at once)."""
+
+    def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
+        """Hand compute a span :meth:`restore_sync` made on another thread."""
 
     def shutdown(self) -> None: ...
 
@@ -233,6 +244,24 @@ class CpuEngine:
         stalled = 0.0 if _config.unsafe_skip_waits else _block_on(rec.h2d, rec, "host-to-device")
         rec.dev = None
         return dev, stalled
+
+    def wait_copied(self, d2h: Any, rec: Transfer) -> None:
+        _block_on(d2h, rec, "device-to-host")
+
+    def restore_sync(self, rec: Transfer, host: torch.Tensor) -> torch.Tensor:
+        delay, fail = _copy_plan()
+        started = time.perf_counter()
+        if delay:
+            time.sleep(delay)
+        if fail:
+            raise RuntimeError(_injected("host-to-device"))
+        dev = _fresh_span(rec)
+        dev.view(torch.uint8).copy_(host)
+        stats.add("copy_seconds", time.perf_counter() - started)
+        return dev
+
+    def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
+        return dev
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         done = tuple(f.done for f in (rec.d2h, rec.h2d) if f is not None)

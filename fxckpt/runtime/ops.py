@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import stats
+from fxckpt.runtime import disk, stats
 from fxckpt.runtime.engine import Transfer, get_engine
 from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
 
@@ -46,6 +46,10 @@ def _release(hid: int) -> None:
     rec = _records.pop(hid, None)
     if rec is None:
         return
+    if rec.disk is not None:
+        get_engine(rec.device).release(rec)
+        disk.release(rec)  # lock-free too; the file goes at the tier's next step
+        return
     pending = get_engine(rec.device).release(rec) if rec.host is not None else ()
     rec.kept = None
     if rec.host is not None:
@@ -65,9 +69,33 @@ def _lookup(handle: torch.Tensor) -> Transfer:
     return rec
 
 
-@torch.library.custom_op("fxckpt::offload", mutates_args=(), schema="(Tensor src) -> Tensor")
-def offload(src: torch.Tensor) -> torch.Tensor:
-    """Start copying ``src`` to host memory; returns the handle that names the copy."""
+def _to_disk(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> bool:
+    """Start ``rec`` on its way to the disk tier; False: it goes to host memory instead."""
+    if disk.current() is None:
+        disk.warn_once("a plan sent an activation to the disk tier, but no offload_dir is set "
+                       "in this process; it goes to host memory instead")
+        return False
+    rec.src = src
+    try:
+        if disk.start_offload(rec, span_t):
+            return True
+    except Exception as err:
+        rec.src = None
+        raise RuntimeCopyError(
+            f"fxckpt: could not start offloading {rec.describe()} to disk: {err!r}"
+        ) from err
+    rec.src = None
+    return False
+
+
+@torch.library.custom_op(
+    "fxckpt::offload", mutates_args=(), schema="(Tensor src, int tier=0) -> Tensor"
+)
+def offload(src: torch.Tensor, tier: int = 0) -> torch.Tensor:
+    """Start copying ``src`` to host memory; returns the handle that names the copy.
+
+    ``tier`` 1 sends it on to a file in ``offload_dir`` (the plan's ``offload → disk``).
+    """
     if src.layout != torch.strided:
         raise RuntimeCopyError(f"fxckpt::offload needs a strided tensor, got {src.layout}")
     span = _span(src)
@@ -88,25 +116,10 @@ def offload(src: torch.Tensor) -> torch.Tensor:
         # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
         # tensor is the same strides over a fresh span.
         span_t = src.as_strided((span,), (1,), src.storage_offset())
-        try:
-            host = get_pool(src.device.type).acquire(rec.nbytes)
-        except PoolExhausted as why:
-            warn_fallback(str(why))
-            stats.add("fallbacks", 1)
-            rec.kept = span_t
-        else:
-            rec.host = host
-            rec.src = src
-            try:
-                get_engine(src.device).start_offload(
-                    rec, span_t.view(torch.uint8), host[: rec.nbytes]
-                )
-            except Exception as err:
-                get_pool(src.device.type).release(host)
-                raise RuntimeCopyError(
-                    f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
-                ) from err
+        if tier == disk.DISK and _to_disk(rec, src, span_t):
             copied = rec.nbytes
+        else:
+            copied = _to_host(rec, src, span_t)
     stats.record_offload(copied)
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
@@ -115,8 +128,29 @@ def offload(src: torch.Tensor) -> torch.Tensor:
     return handle
 
 
+def _to_host(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> int:
+    """Start ``rec`` on its way to the host pool; returns the bytes copied (0: kept)."""
+    try:
+        host = get_pool(src.device.type).acquire(rec.nbytes)
+    except PoolExhausted as why:
+        warn_fallback(str(why))
+        stats.add("fallbacks", 1)
+        rec.kept = span_t
+        return 0
+    rec.host = host
+    rec.src = src
+    try:
+        get_engine(src.device).start_offload(rec, span_t.view(torch.uint8), host[: rec.nbytes])
+    except Exception as err:
+        get_pool(src.device.type).release(host)
+        raise RuntimeCopyError(
+            f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
+        ) from err
+    return rec.nbytes
+
+
 @offload.register_fake
-def _(src: torch.Tensor) -> torch.Tensor:
+def _(src: torch.Tensor, tier: int = 0) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -130,7 +164,7 @@ def offload_done(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
     Inductor from reusing the source's buffer in place before the copy has read it.
     """
     rec = _lookup(handle)
-    if rec.host is None:
+    if rec.host is None and rec.disk is None:
         return
     stalled = get_engine(rec.device).finish_offload(rec)
     if stalled:
@@ -143,6 +177,11 @@ def _(handle: torch.Tensor, keepalive: torch.Tensor) -> None:
 
 
 def _prefetch(rec: Transfer) -> None:
+    if rec.disk is not None:
+        if rec.disk.reading is None:
+            disk.start_prefetch(rec)
+            stats.add("prefetched_bytes", rec.nbytes)
+        return
     if rec.host is None or rec.dev is not None:
         return  # kept on the device, empty, or already in flight / landed
     get_engine(rec.device).start_prefetch(rec)
@@ -210,9 +249,12 @@ def wait(
             f"fxckpt::wait asked for {dtype}, size {list(size)}, stride {list(stride)} on "
             f"{device}, but {rec.describe()} was offloaded"
         )
-    if rec.host is not None:
+    if rec.host is not None or rec.disk is not None:
         _prefetch(rec)
-        span, stalled = get_engine(rec.device).finish_prefetch(rec)
+        if rec.disk is not None:
+            span, stalled = disk.finish_prefetch(rec)
+        else:
+            span, stalled = get_engine(rec.device).finish_prefetch(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
     else:

@@ -165,7 +165,7 @@ class HostPool:
         self._evict_idle(lambda: self.bytes + cls > cap)
         if self.bytes + cls > cap:
             raise PoolExhausted(
-                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"the host pool cap of {cap} bytes (option host_budget) would be exceeded: "
                 f"{self.bytes} bytes held by live offloads, {cls} more requested"
             )
 
@@ -219,7 +219,7 @@ class HostPool:
             raise PoolExhausted(f"page-locking a slab for {cls} bytes failed: {err}") from err
         if not grown:
             raise PoolExhausted(
-                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"the host pool cap of {cap} bytes (option host_budget) would be exceeded: "
                 f"{self.bytes} bytes page-locked, a slab for {cls} more does not fit"
             )
         self._held[0] += grown
@@ -286,7 +286,7 @@ def warn_fallback(reason: str) -> None:
     warnings.warn(
         f"fxckpt: an activation chosen for offload stays on the device because {reason}. "
         "Results are unaffected, but device memory is higher than planned; raise "
-        "pinned_pool_bytes or lower the offload volume. (Warned once.)",
+        "host_budget, give an offload_dir, or lower the offload volume. (Warned once.)",
         HostMemoryWarning,
         stacklevel=4,
     )
