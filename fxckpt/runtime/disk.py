@@ -104,6 +104,16 @@ class _Staging:
                 self._cond.wait(0.05)
                 waited += time.perf_counter() - start
 
+    def drain(self) -> float:
+        """Wait until no staging buffer is in flight; returns the seconds waited."""
+        start = time.perf_counter()
+        with self._cond:
+            if self._in_use == 0:
+                return 0.0
+            while self._in_use:
+                self._cond.wait(0.05)
+        return time.perf_counter() - start
+
     def give(self, device_type: str, buf: torch.Tensor | None) -> None:
         """Free a slot, and give ``buf`` back to the pool (None: the buffer stays taken)."""
         if buf is not None:
@@ -163,6 +173,13 @@ def use_directory(root: str) -> disk_dir.DiskDir:
 
 def current() -> disk_dir.DiskDir | None:
     return _current
+
+
+def wait_for_staging() -> float:
+    """Wait for the disk tier's staging buffers to be back in the pool (the host tier asks
+    when the pool is full: staging in flight is the only part of it that will come back
+    without the step going on). Returns the seconds waited; 0 when none was in flight."""
+    return _staging.drain()
 
 
 def configure(*, inline: bool = False) -> None:

@@ -131,7 +131,14 @@ def offload(src: torch.Tensor, tier: int = 0) -> torch.Tensor:
 def _to_host(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> int:
     """Start ``rec`` on its way to the host pool; returns the bytes copied (0: kept)."""
     try:
-        host = get_pool(src.device.type).acquire(rec.nbytes)
+        try:
+            host = get_pool(src.device.type).acquire(rec.nbytes)
+        except PoolExhausted:
+            waited = disk.wait_for_staging()  # the disk tier's writes give their buffers back
+            if not waited:
+                raise
+            stats.add("stall_seconds", waited)
+            host = get_pool(src.device.type).acquire(rec.nbytes)
     except PoolExhausted as why:
         warn_fallback(str(why))
         stats.add("fallbacks", 1)
