@@ -13,8 +13,9 @@ Which tensors leave host memory when it is short:
   compute and its read behind the most backward compute (the backward needs the last
   produced tensors first). A tensor goes to disk unless recomputing it costs less than the
   disk time its windows cannot hide, or its staging buffer alone exceeds the budget;
-- without one, the latest produced first (each is recomputed, or kept on the device where it
-  cannot be): kept late tensors hold device memory for the shortest time.
+- without one, those that can be recomputed first (the latest produced first among them),
+  then the rest, latest produced first, kept on the device: a kept late tensor holds device
+  memory for the shortest time.
 """
 
 from __future__ import annotations
@@ -93,7 +94,11 @@ def assign(
     if host_budget is None or host <= host_budget:
         return tiers
     budget = host_budget
-    order = range(n) if disk is not None else range(n - 1, -1, -1)
+    if disk is not None:
+        order: Sequence[int] = range(n)
+    else:
+        redo = [allow_recompute and math.isfinite(it.recompute_ms) for it in items]
+        order = sorted(range(n), key=lambda i: (not redo[i], -i))
     largest = 0  # the largest staging buffer of the disk tier so far
     moved: list[tuple[int, str]] = []  # (item, why it could not go to disk)
     for i in order:

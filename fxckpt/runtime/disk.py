@@ -65,7 +65,9 @@ class DiskCopy:
 
     where: disk_dir.DiskDir
     buf: torch.Tensor | None  # pool buffer while staged (or the host copy, when ``hosted``)
-    view: torch.Tensor  # its page-aligned whole pages
+    # Its page-aligned whole pages. A view keeps its base alive (``Tensor._base``): it goes
+    # with ``buf``, or the memory would outlive the pool's accounting of it.
+    view: torch.Tensor | None
     written: Future[None] | None = None
     reading: Future[torch.Tensor] | None = None
     path: str | None = None
@@ -114,13 +116,19 @@ class _Staging:
                 self._cond.wait(0.05)
         return time.perf_counter() - start
 
-    def give(self, device_type: str, buf: torch.Tensor | None) -> None:
-        """Free a slot, and give ``buf`` back to the pool (None: the buffer stays taken)."""
-        if buf is not None:
-            get_pool(device_type).release(buf)
+    def give(self, device_type: str, held: list[torch.Tensor]) -> None:
+        """Free a slot, and give the buffer in ``held`` (emptied; ``[]``: the buffer stays
+        taken) back to the pool. The caller holds no other reference: a buffer the pool
+        could free while someone still holds it would outlive the pool's accounting."""
+        _give_back(device_type, held)
         with self._cond:
             self._in_use -= 1
             self._cond.notify_all()
+
+
+def _give_back(device_type: str, held: list[torch.Tensor]) -> None:
+    if held:
+        get_pool(device_type).release(held.pop())
 
 
 _staging = _Staging()
@@ -226,13 +234,15 @@ def start_offload(rec: Transfer, span: torch.Tensor) -> bool:
         stats.add("stall_seconds", waited)
     if buf is None:
         return False
-    copy = DiskCopy(where, buf, _files.aligned_view(buf, _files.whole_pages(rec.nbytes)))
+    view = _files.aligned_view(buf, _files.whole_pages(rec.nbytes))
+    copy = DiskCopy(where, buf, view)
     rec.disk = copy
     try:
-        get_engine(rec.device).start_offload(rec, span.view(torch.uint8), copy.view[: rec.nbytes])
+        get_engine(rec.device).start_offload(rec, span.view(torch.uint8), view[: rec.nbytes])
     except Exception:
         rec.disk = None
-        _staging.give(rec.device.type, buf)
+        del copy, view
+        _staging.give(rec.device.type, [buf])
         raise
     copy.jobs = 1
     copy.written = _executor("w").submit(_write, rec, copy, rec.d2h)
@@ -248,10 +258,10 @@ def _write(rec: Transfer, copy: DiskCopy, d2h: Any) -> None:
         _write_file(rec, copy)
     with copy.lock:
         if copy.hosted:
-            _staging.give(rec.device.type, None)  # the buffer stays, as the host copy
+            _staging.give(rec.device.type, [])  # the buffer stays, as the host copy
         else:
-            _staging.give(rec.device.type, copy.buf)  # W2
-            copy.buf = None
+            held, copy.buf, copy.view = [copy.buf], None, None
+            _staging.give(rec.device.type, held)  # W2
         copy.jobs -= 1
         if copy.dead:
             _clean(rec, copy)
@@ -262,14 +272,16 @@ def _write_file(rec: Transfer, copy: DiskCopy) -> None:
     where = copy.where
     path = where.new_file()
     start = time.perf_counter()
+    assert copy.view is not None
+    data = _files.memory_of(copy.view)
     try:
         try:
-            _files.FILES.write(path, _files.memory_of(copy.view), where.direct)
+            _files.FILES.write(path, data, where.direct)
         except OSError as err:
             if err.errno != errno.EINVAL or not where.direct:
                 raise
             where.direct = False  # the file system refused O_DIRECT after all: buffered I/O
-            _files.FILES.write(path, _files.memory_of(copy.view), False)
+            _files.FILES.write(path, data, False)
     except OSError as err:
         copy.hosted = True
         why = err.strerror or repr(err)
@@ -313,6 +325,7 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
             )
         engine = get_engine(rec.device)
         if copy.hosted:
+            assert copy.view is not None
             return engine.restore_sync(rec, copy.view[: rec.nbytes])
         buf, _ = _staging.take(rec.device.type, rec.nbytes)
         if buf is None:
@@ -320,12 +333,13 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
             # the budget for this one read) rather than fail the step.
             warn_once("no staging buffer fits host_budget for a read from the disk tier; "
                       "one read used memory outside it")
-            own = torch.empty(staged_bytes(rec.nbytes), dtype=torch.uint8)
-            return _read_into(rec, copy, own)
+            return _read_into(rec, copy, [torch.empty(staged_bytes(rec.nbytes), dtype=torch.uint8)])
+        held = [buf]
+        del buf
         try:
-            return _read_into(rec, copy, buf)
+            return _read_into(rec, copy, held)
         finally:
-            _staging.give(rec.device.type, buf)  # R2: _read_into returned after the copy
+            _staging.give(rec.device.type, held)  # R2: _read_into returned after the copy
     finally:
         with copy.lock:
             copy.jobs -= 1
@@ -333,8 +347,8 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
                 _clean(rec, copy)
 
 
-def _read_into(rec: Transfer, copy: DiskCopy, buf: torch.Tensor) -> torch.Tensor:
-    view = _files.aligned_view(buf, _files.whole_pages(rec.nbytes))
+def _read_into(rec: Transfer, copy: DiskCopy, held: list[torch.Tensor]) -> torch.Tensor:
+    view = _files.aligned_view(held[0], _files.whole_pages(rec.nbytes))
     assert copy.path is not None
     start = time.perf_counter()
     try:
@@ -410,8 +424,8 @@ def _clean(rec: Transfer, copy: DiskCopy) -> None:
         copy.path = None
         stats.add("disk_files", -1)
     if copy.buf is not None:  # a host copy left by a failed write
-        get_pool(rec.device.type).release(copy.buf)
-        copy.buf = None
+        held, copy.buf, copy.view = [copy.buf], None, None
+        _give_back(rec.device.type, held)
 
 
 stats.add_collector(collect)

@@ -53,8 +53,10 @@ def _release(hid: int) -> None:
     pending = get_engine(rec.device).release(rec) if rec.host is not None else ()
     rec.kept = None
     if rec.host is not None:
-        get_pool(rec.device.type).release(rec.host, pending)
-        rec.host = None
+        # The record lets go first: a buffer the pool could free while the record still
+        # held it would outlive the pool's accounting.
+        host, rec.host = rec.host, None
+        get_pool(rec.device.type).release(host, pending)
 
 
 def _lookup(handle: torch.Tensor) -> Transfer:

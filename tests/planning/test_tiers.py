@@ -42,13 +42,13 @@ def test_with_a_disk_the_earliest_produced_go_to_disk_until_the_rest_and_staging
     assert 2 * 8 * KiB + staging_bytes(items, tiers, 32 * KiB) <= 32 * KiB
 
 
-def test_without_a_disk_the_latest_produced_are_recomputed_or_kept() -> None:
-    items = [item(8 * KiB, r=1.0), item(8 * KiB), item(8 * KiB, r=1.0), item(8 * KiB)]
+def test_without_a_disk_recomputable_ones_go_first_then_the_latest_produced_are_kept() -> None:
+    items = [item(8 * KiB, r=1.0), item(8 * KiB), item(8 * KiB), item(8 * KiB)]
     tiers = assign(items, 16 * KiB, None, allow_recompute=True)
-    assert kinds(tiers) == ["host", "host", "recompute", "keep"]
-    assert "there is no disk tier (offload_dir)" in tiers[2].reason
+    assert kinds(tiers) == ["recompute", "host", "host", "keep"]
+    assert "there is no disk tier (offload_dir)" in tiers[0].reason
     assert tiers[3].reason.startswith("keep: host_budget 16.0 KiB holds 16.0 KiB")
-    # The planner's last round cannot recompute: it keeps.
+    # The planner's last round cannot recompute: it keeps, latest produced first.
     assert kinds(assign(items, 16 * KiB, None, allow_recompute=False)) == ["host", "host", "keep", "keep"]
 
 
