@@ -260,7 +260,8 @@ def _write(rec: Transfer, copy: DiskCopy, d2h: Any) -> None:
         if copy.hosted:
             _staging.give(rec.device.type, [])  # the buffer stays, as the host copy
         else:
-            held, copy.buf, copy.view = [copy.buf], None, None
+            held = [copy.buf] if copy.buf is not None else []
+            copy.buf = copy.view = None
             _staging.give(rec.device.type, held)  # W2
         copy.jobs -= 1
         if copy.dead:

@@ -189,14 +189,22 @@ class CpuEngine:
 
     def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
         delay, fail = _copy_plan()
+        # The job lets go of both tensors as soon as it has copied: the executor keeps a done
+        # job alive until its thread next runs, and a host buffer it held then would outlive
+        # the pool's accounting of it (the pool may already have freed and replaced it).
+        tensors = [span, host]
+        del span, host
 
         def copy() -> None:
             started = time.perf_counter()
             if delay:
                 time.sleep(delay)
             if fail:
+                tensors.clear()
                 raise RuntimeError(_injected("device-to-host"))
-            host.copy_(span)
+            src, dst = tensors
+            tensors.clear()
+            dst.copy_(src)
             stats.add("copy_seconds", time.perf_counter() - started)
 
         rec.d2h = self._executors()[1].submit(copy)
@@ -210,9 +218,8 @@ class CpuEngine:
 
     def start_prefetch(self, rec: Transfer) -> None:
         dev = _fresh_span(rec)
-        out = dev.view(torch.uint8)
         assert rec.host is not None
-        host = rec.host[: rec.nbytes]
+        tensors = [dev.view(torch.uint8), rec.host[: rec.nbytes]]  # let go after the copy
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
 
@@ -223,6 +230,7 @@ class CpuEngine:
             except BaseException as cancelled:
                 err = cancelled
             if err is not None:
+                tensors.clear()
                 raise RuntimeCopyError(
                     f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed "
                     f"earlier, so it cannot be restored: {err!r}"
@@ -231,7 +239,10 @@ class CpuEngine:
             if delay:
                 time.sleep(delay)
             if fail:
+                tensors.clear()
                 raise RuntimeError(_injected("host-to-device"))
+            out, host = tensors
+            tensors.clear()
             out.copy_(host)
             stats.add("copy_seconds", time.perf_counter() - started)
 

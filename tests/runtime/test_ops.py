@@ -51,7 +51,7 @@ CASES = {
 
 def test_schemas_are_the_contract():
     assert [str(op._schema) for op in ops.OPS] == [
-        "fxckpt::offload(Tensor src) -> Tensor",
+        "fxckpt::offload(Tensor src, int tier=0) -> Tensor",
         "fxckpt::offload_done(Tensor handle, Tensor keepalive) -> ()",
         "fxckpt::prefetch(Tensor handle) -> Tensor",
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "

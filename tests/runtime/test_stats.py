@@ -96,6 +96,12 @@ def test_snapshot_has_every_documented_figure():
         "pool_hits",
         "pool_misses",
         "host_allocations",
+        "host_high_water_bytes",
+        "disk_bytes",
+        "disk_write_seconds",
+        "disk_read_seconds",
+        "disk_fallbacks",
+        "disk_files",
     }
 
 
