@@ -75,6 +75,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     engine.configure()
     pool.set_pool_cap(0)  # an empty pool: its high-water mark starts from nothing
     pool.set_pool_cap(None)
+    fxckpt.reset_stats()
     monkeypatch.setattr(disk, "_current", None)
     yield
     disk.shutdown()
@@ -136,6 +137,20 @@ def test_training_equals_eager_with_a_quarter_of_the_host_memory_offload_all_nee
     assert all(r.decision.reason.startswith("offload → disk")
                for r in plan.activations if getattr(r.decision, "tier", "") == "disk")  # fmt: skip
     assert snap["disk_files"] == 0 and disk.current() is not None and disk.current().files() == []
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_the_disk_tier_under_inductor_trains_like_eager(clean: None, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    options = {"offload": "all", "min_offload_bytes": 0, "cost_model": "unit",
+               "host_budget": 16384, "offload_dir": str(tmp_path)}  # fmt: skip
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(**options), steps=2,
+                        atol=1e-5, rtol=1e-4)  # fmt: skip
+    (plan,) = fxckpt.last_plans()
+    assert plan.disk_bytes > 0
+    snap = fxckpt.stats()
+    assert snap["disk_bytes"] > 0 and snap["host_high_water_bytes"] <= 16384
 
 
 def _disk_span_bytes(plan: fxckpt.Plan) -> int:
