@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot")
+SCRIPTS = ("cpu_bench", "planner_scaling", "gpu_check", "plot", "host_budget")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

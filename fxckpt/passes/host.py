@@ -15,10 +15,13 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from fxckpt import _files
-from fxckpt.graph.activations import SavedActivation
+from fxckpt.graph.activations import SavedActivation, concrete
 from fxckpt.graph.memory import Problem
 from fxckpt.options import Options
+from fxckpt.passes.budget import Storage
 from fxckpt.passes.offload import Placement
 from fxckpt.planning import tiers
 from fxckpt.planning.planner import Choice
@@ -57,39 +60,55 @@ def disk_rates(options: Options) -> tiers.DiskRates | None:
     return tiers.DiskRates(*_files.measure_bandwidth(options.offload_dir))
 
 
+def copied_bytes(a: SavedActivation) -> int:
+    """Bytes the offload op of ``a`` copies: the runtime moves each saved tensor's own span,
+    so two views of one storage take two host buffers. A contiguous tensor's span is its
+    elements; any other view is counted as its whole storage (an upper bound)."""
+    dtype = getattr(torch, str(a.dtype).removeprefix("torch."), None)
+    if not a.contiguous or not isinstance(dtype, torch.dtype):
+        return a.bytes
+    numel = 1
+    for n in a.shape:
+        numel *= concrete(n)
+    return min(a.bytes, numel * dtype.itemsize)
+
+
+def _item(problem: Problem, i: int, s: Storage, prefetch: str) -> tiers.Item:
+    c, S, F = problem.candidates, problem.prefix_ms(), problem.timeline.num_forward
+    spans = [copied_bytes(a) for a in s.members]
+    return tiers.Item(
+        nbytes=sum(spans),
+        host_bytes=sum(size_class(n) for n in spans),
+        staged_bytes=max(size_class(staged_bytes(n)) for n in spans),
+        write_window_ms=S[F] - S[c.produced[i] + 1],
+        read_window_ms=S[c.first_bw_use[i]] - S[F] if prefetch == "auto" else 0.0,
+        recompute_ms=c.recompute_ms[i],
+    )
+
+
 def place_tiers(
     problem: Problem,
-    keys: Sequence[str],
+    storages: Sequence[Storage],
     choices: dict[str, Choice],
     options: Options,
     *,
     allow_recompute: bool,
     report: HostReport | None,
 ) -> tuple[HostReport | None, bool]:
-    """Give every offload in ``choices`` a tier under ``host_budget`` (``keys[i]`` is the
-    storage of the problem's candidate ``i``).
+    """Give every offload in ``choices`` a tier under ``host_budget`` (``storages[i]`` is the
+    problem's candidate ``i``).
 
     Returns the report (``report`` updated, or a new one, once the budget moved an offload)
     and whether any choice changed kind (offload to recompute or keep).
     """
     budget = options.resolve_host_budget()
-    c, tl = problem.candidates, problem.timeline
+    c = problem.candidates
+    keys = [s.key for s in storages]
     offloaded = sorted((i for i, k in enumerate(keys) if choices[k].kind == "offload"),
                        key=lambda i: (c.produced[i], i))  # fmt: skip
     if budget is None or not offloaded:
         return report, False
-    S, F = problem.prefix_ms(), tl.num_forward
-    items = [
-        tiers.Item(
-            nbytes=c.bytes[i],
-            host_bytes=size_class(c.bytes[i]),
-            staged_bytes=size_class(staged_bytes(c.bytes[i])),
-            write_window_ms=S[F] - S[c.produced[i] + 1],
-            read_window_ms=S[c.first_bw_use[i]] - S[F] if options.prefetch == "auto" else 0.0,
-            recompute_ms=c.recompute_ms[i],
-        )
-        for i in offloaded
-    ]
+    items = [_item(problem, i, storages[i], options.prefetch) for i in offloaded]
     placed = tiers.assign(items, budget, disk_rates(options), allow_recompute=allow_recompute,
                           staging_slots=STAGING_SLOTS)  # fmt: skip
     if all(t.kind == "host" for t in placed):
@@ -139,7 +158,7 @@ def read_ahead(
         return list(offloaded)
     S, F = problem.prefix_ms(), problem.timeline.num_forward
     return [
-        (a, done, tiers.read_ahead(S, F, issue, rates.read_ms(a.bytes)) if a.storage in disk
+        (a, done, tiers.read_ahead(S, F, issue, rates.read_ms(copied_bytes(a))) if a.storage in disk
          else issue)
         for a, done, issue in offloaded
     ]  # fmt: skip

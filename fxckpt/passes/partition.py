@@ -353,8 +353,8 @@ def _plan(
             solution = decide(problem, budget, options.prefetch)
             choices = reasons(problem, solution, storages, flops, forced_why, budget)
             # The host budget may send offloads to disk, or turn them into recompute / keep.
-            attempt.host, changed = place_tiers(problem, [s.key for s in storages], choices,
-                                                options, allow_recompute=not last,
+            attempt.host, changed = place_tiers(problem, storages, choices, options,
+                                                allow_recompute=not last,
                                                 report=attempt.host)  # fmt: skip
             if changed:
                 solution = _resimulate(problem, storages, choices, options.prefetch, solution)
