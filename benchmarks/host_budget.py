@@ -2,22 +2,21 @@
 
     python -m benchmarks.host_budget --json docs/benchmarks/host_budget.json [--dir PATH]
 
-One process, one model (a GPT-style decoder on the CPU), ``offload="all"``:
+One process, one model (a GPT-style decoder on the CPU), ``offload="all"``, five rows:
 
 1. **baseline**: no host budget. Its host high-water mark is what offload="all" needs.
 2. ``host_budget`` at 100 %, 50 % and 25 % of that need, with ``offload_dir`` in ``--dir``
    (default: a new folder in the system's temporary directory).
-3. the baseline again, so drift over the run shows.
 
-Each row compiles afresh from the same initial weights, empties the host pool, and trains
-``--steps`` steps of SGD on the same batches. Reported per row: the median step time after
-``--warmup`` steps and its ratio to the first baseline's; ``host_high_water_bytes`` (the
-pool's own accounting of the host buffers it allocated: staging included, never the plan's
-figures); ``disk_bytes`` written per step, disk write and read seconds and stall seconds per
-step (``fxckpt.stats()``); and whether every step's loss equals the baseline's bit for bit.
-
-The host pool's cap and the disk directory are per process, so rows run one after another,
-not interleaved; the repeated baseline bounds the drift.
+Each row compiles its own copy of the same initial weights and trains on the same batches
+with SGD. The host pool's cap and the disk directory are per process, so the rows take turns
+in blocks of ``--block`` steps, ``--rounds`` times: each block empties the host pool, applies
+its row's runtime settings, and does not time its first step (the pool refills then). Per
+row: the median step time and its ratio to the baseline's; ``host_high_water_bytes`` (the
+pool's own accounting of the host buffers it allocated, staging included, never the plan's
+figures), the most over its blocks; ``disk_bytes`` written per timed step, disk write and
+read seconds and stall seconds per timed step (``fxckpt.stats()``); fallbacks; and whether
+every step's loss equals the baseline's bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,87 +54,107 @@ def _fs_type(path: str) -> str:
     return kind
 
 
-def run_row(label: str, base: torch.nn.Module, batches: list[Any], options: dict[str, Any],
-            steps: int, warmup: int) -> dict[str, Any]:
-    import fxckpt
-    from fxckpt.runtime import disk, pool
+@dataclass
+class Row:
+    label: str
+    options: dict[str, Any]
+    model: torch.nn.Module
+    compiled: Any = None
+    opt: Any = None
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    sums: dict[str, float] = field(default_factory=dict)
+    high_water: int = 0
+    timed: int = 0
+    o_direct: bool | None = None
 
-    torch._dynamo.reset()
-    pool.set_pool_cap(0)  # an empty pool: the high-water mark is this row's alone
-    pool.set_pool_cap(None)
-    fxckpt.reset_stats()
-    model = copy.deepcopy(base)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    compiled = torch.compile(model, backend=fxckpt.backend(**options))
-    times, losses = [], []
-    snap_warm: dict[str, Any] = {}
-    for i in range(steps):
-        if i == warmup:
-            disk.wait_for_staging()
-            snap_warm = fxckpt.stats()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = compiled(*batches[i % len(batches)])
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    disk.wait_for_staging()
-    snap = fxckpt.stats()
-    measured = steps - warmup
-    plans = fxckpt.last_plans()
-    where = disk.current()
-    return {
-        "row": label,
-        "host_budget": options.get("host_budget"),
-        "step_ms": median(times[warmup:]) * 1e3,
-        "host_high_water_bytes": snap["host_high_water_bytes"],
-        "disk_bytes_per_step": (snap["disk_bytes"] - snap_warm.get("disk_bytes", 0)) / measured,
-        "disk_write_s_per_step":
-            (snap["disk_write_seconds"] - snap_warm.get("disk_write_seconds", 0)) / measured,
-        "disk_read_s_per_step":
-            (snap["disk_read_seconds"] - snap_warm.get("disk_read_seconds", 0)) / measured,
-        "stall_s_per_step": (snap["stall_seconds"] - snap_warm.get("stall_seconds", 0)) / measured,
-        "fallbacks": snap["fallbacks"] + snap["disk_fallbacks"],
-        "plan_host_bytes": sum(p.host_bytes for p in plans),
-        "plan_disk_bytes": sum(p.disk_bytes for p in plans),
-        "o_direct": None if where is None or "offload_dir" not in options else where.direct,
-        "losses": losses,
-    }
+    def block(self, batches: list[Any], steps: int) -> None:
+        import fxckpt
+        from fxckpt.backend import configure_runtime
+        from fxckpt.runtime import disk, pool
+
+        if self.compiled is None:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
+            self.compiled = torch.compile(self.model, backend=fxckpt.backend(**self.options))
+        pool.set_pool_cap(0)  # an empty pool: the high-water mark is this block's alone
+        configure_runtime(fxckpt.Options.from_mapping(self.options))
+        fxckpt.reset_stats()
+        before: dict[str, Any] = {}
+        for i in range(steps):
+            if i == 1:
+                disk.wait_for_staging()
+                before = fxckpt.stats()
+            start = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.compiled(*batches[len(self.losses) % len(batches)])
+            loss.backward()
+            self.opt.step()
+            if i:
+                self.times.append(time.perf_counter() - start)
+            self.losses.append(loss.item())
+        disk.wait_for_staging()
+        after = fxckpt.stats()
+        for key in ("disk_bytes", "disk_write_seconds", "disk_read_seconds", "stall_seconds"):
+            self.sums[key] = self.sums.get(key, 0) + after[key] - before[key]
+        self.sums["fallbacks"] = (self.sums.get("fallbacks", 0) + after["fallbacks"]
+                                  + after["disk_fallbacks"])  # fmt: skip
+        self.high_water = max(self.high_water, int(after["host_high_water_bytes"]))
+        self.timed += steps - 1
+        where = disk.current()
+        if "offload_dir" in self.options and where is not None:
+            self.o_direct = where.direct
+
+    def result(self) -> dict[str, Any]:
+        per = max(self.timed, 1)
+        return {
+            "row": self.label,
+            "host_budget": self.options.get("host_budget"),
+            "step_ms": median(self.times) * 1e3,
+            "host_high_water_bytes": self.high_water,
+            "disk_bytes_per_step": self.sums.get("disk_bytes", 0) / per,
+            "disk_write_s_per_step": self.sums.get("disk_write_seconds", 0) / per,
+            "disk_read_s_per_step": self.sums.get("disk_read_seconds", 0) / per,
+            "stall_s_per_step": self.sums.get("stall_seconds", 0) / per,
+            "fallbacks": self.sums.get("fallbacks", 0),
+            "o_direct": self.o_direct,
+            "losses": self.losses,
+        }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_budget",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--dir", help="where the disk tier's files go (default: a new temp folder)")
-    p.add_argument("--steps", type=int, default=10, help="steps per row (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="steps not timed (default 3)")
+    p.add_argument("--block", type=int, default=4, help="steps per block, the first untimed (4)")
+    p.add_argument("--rounds", type=int, default=3, help="blocks per row (default 3)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--min-offload", default="64KiB", help="min_offload_bytes (default 64KiB)")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
-    if args.steps <= args.warmup:
-        p.error("--steps must exceed --warmup")
+    if args.block < 2 or args.rounds < 1:
+        p.error("--block must be at least 2 and --rounds at least 1")
 
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     base = Decoder(MODEL)
     batches = [make_batch(MODEL, args.batch, args.seq, "cpu", seed=s) for s in range(4)]
     common = {"compiler": "eager", "offload": "all", "min_offload_bytes": args.min_offload,
               "cost_model": "flops"}  # fmt: skip
     made = args.dir is None
     where = tempfile.mkdtemp(prefix="fxckpt-bench-") if made else args.dir
-    rows = []
     try:
-        rows.append(run_row("baseline (no host budget)", base, batches, common, args.steps,
-                            args.warmup))  # fmt: skip
-        need = rows[0]["host_high_water_bytes"]
-        for share in SHARES:
-            options = {**common, "host_budget": int(need * share), "offload_dir": where}
-            rows.append(run_row(f"host_budget {share:.0%}", base, batches, options, args.steps,
-                                args.warmup))  # fmt: skip
-        rows.append(run_row("baseline again", base, batches, common, args.steps, args.warmup))
+        first = Row("baseline (no host budget)", common, copy.deepcopy(base))
+        first.block(batches, args.block)
+        need = first.high_water
+        rows = [first] + [
+            Row(f"host_budget {share:.0%}",
+                {**common, "host_budget": int(need * share), "offload_dir": where},
+                copy.deepcopy(base))
+            for share in SHARES
+        ]  # fmt: skip
+        for r in range(args.rounds):
+            for row in rows[1:] if r == 0 else rows:
+                row.block(batches, args.block)
     finally:
         from fxckpt.runtime import disk, disk_dir
 
@@ -142,17 +162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         disk_dir.close_all()
         if made:
             shutil.rmtree(where, ignore_errors=True)
-    ref = rows[0]
+    results = [row.result() for row in rows]
+    ref = results[0]
     print(f"{MODEL.describe()}, batch {args.batch} x seq {args.seq}, offload='all', "
           f"min_offload_bytes={args.min_offload}; offload_dir on {_fs_type(where)} ({where}); "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
-    print(f"offload='all' needs {need / 2**20:.2f} MiB of host memory (baseline high water)")
+    print(f"offload='all' needs {need / 2**20:.2f} MiB of host memory (baseline high water); "
+          f"{args.rounds} rounds of {args.block}-step blocks")
     head = ("row", "host_budget", "step ms", "vs base", "host high water", "disk MiB/step",
             "write s", "read s", "stall s", "fallbacks", "loss = base")  # fmt: skip
     print(" | ".join(head))
-    for r in rows:
+    for r in results:
         budget = "none" if r["host_budget"] is None else f"{r['host_budget'] / 2**20:.2f} MiB"
-        same = r["losses"] == ref["losses"]
+        n = min(len(r["losses"]), len(ref["losses"]))
+        same = r["losses"][:n] == ref["losses"][:n]
         r["loss_equal"] = same
         print(" | ".join((r["row"], budget, f"{r['step_ms']:.1f}", f"{r['step_ms'] / ref['step_ms']:.2f}x",
                           f"{r['host_high_water_bytes'] / 2**20:.2f} MiB",
@@ -162,11 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         doc = {"model": MODEL.describe(), "batch": args.batch, "seq": args.seq,
                "min_offload_bytes": args.min_offload, "offload_dir_fs": _fs_type(where),
-               "torch": torch.__version__, "need_bytes": need, "rows": rows,
+               "torch": torch.__version__, "need_bytes": need, "rows": results,
+               "block": args.block, "rounds": args.rounds,
                "command": " ".join(["python -m benchmarks.host_budget", *sys.argv[1:]])}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    return 0 if all(r["loss_equal"] for r in rows) else 1
+    return 0 if all(r["loss_equal"] for r in results) else 1
 
 
 if __name__ == "__main__":
