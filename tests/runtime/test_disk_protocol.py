@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +47,29 @@ def hw(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[FakeCuda]:
     gc.collect()
     disk.collect()
     disk_dir.close_all()
+
+
+class Deferred:
+    """A writer that holds its jobs until the test runs them: the slowest disk."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Future[Any], Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self.jobs.append((fut, fn, args))
+        return fut
+
+    def run_all(self) -> None:
+        while self.jobs:
+            fut, fn, args = self.jobs.pop(0)
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001
+                fut.set_exception(err)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        self.run_all()
 
 
 def produce(hw: FakeCuda, n: int, seed: int) -> torch.Tensor:
@@ -104,3 +129,23 @@ def test_a_restored_span_is_reused_by_its_copy_stream_only_after_compute_used_it
     second = restore(handles[1], srcs[1])
     assert torch.equal(second, srcs[1])
     assert hw.races == []
+
+
+def test_a_source_whose_handle_dies_before_its_write_is_reused_only_after_its_copy(
+    hw: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An exception in the forward: the handle and the source die while the device-to-host
+    # copy into staging may still run and no writer has waited for it yet. The source's block
+    # goes back to compute's free list; the next kernel there must be ordered after the copy.
+    writer = Deferred()
+    monkeypatch.setitem(disk._executors, "w", writer)
+    src = produce(hw, 4096, seed=0)
+    h = OPS.offload(src, disk.DISK)
+    del h, src
+    gc.collect()
+    reused = hw.empty(4096, torch.float32, DEV)  # the same block, from compute's list
+    hw.kernel("next step", writes=[reused])
+    writer.run_all()
+    disk.collect()
+    assert hw.races == []
+    assert disk.current() is not None and disk.current().files() == []
