@@ -378,3 +378,40 @@ def test_options_from_env_rejects(monkeypatch: pytest.MonkeyPatch, text: str) ->
         options_from_env()
     assert info.value.option == "FXCKPT_OPTIONS"
     assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("total", [8 * GiB, 64 * GiB])
+@pytest.mark.parametrize("available", [0, 512 * MiB, 40 * GiB])
+def test_resolve_host_budget(monkeypatch: pytest.MonkeyPatch, total: int, available: int) -> None:
+    from fxckpt.options import HOST_AUTO_MARGIN, HOST_AUTO_MARGIN_BYTES
+
+    monkeypatch.setattr(options_module, "_host_total_bytes", lambda: total)
+    monkeypatch.setattr(options_module, "_host_available_bytes", lambda option="x": available)
+    assert Options().resolve_host_budget() is None
+    assert Options(host_budget="3GiB").resolve_host_budget() == 3 * GiB
+    assert Options(pinned_pool_bytes=4096).resolve_host_budget() == 4096
+    assert Options(host_budget=0.25).resolve_host_budget() == total // 4
+    auto = max(0, int(available * (1 - HOST_AUTO_MARGIN)) - HOST_AUTO_MARGIN_BYTES)
+    assert Options(host_budget="auto").resolve_host_budget() == auto
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs /proc/meminfo")
+def test_host_budget_auto_and_fractions_read_this_machine() -> None:
+    auto = Options(host_budget="auto").resolve_host_budget()
+    whole = Options(host_budget=1.0).resolve_host_budget()
+    assert auto is not None and whole is not None
+    assert 0 <= auto < _mem_available() <= whole
+
+
+def test_pinned_pool_bytes_is_an_alias_of_host_budget() -> None:
+    a = Options(pinned_pool_bytes="1GiB")
+    assert a == Options(host_budget=GiB) and a.pinned_pool_bytes == GiB
+    assert "pinned_pool_bytes" not in a.to_dict()
+    assert Options(host_budget=GiB, pinned_pool_bytes="1GiB").host_budget == GiB  # the same: fine
+    assert Options.from_mapping({"pinned_pool_bytes": 4096}).host_budget == 4096
+
+
+def test_offload_dir_is_made_absolute() -> None:
+    o = Options(offload_dir="rel/dir")
+    assert o.offload_dir is not None and Path(o.offload_dir).is_absolute()
+    assert o.offload_dir.endswith("rel/dir")
