@@ -25,8 +25,9 @@ from fxckpt.passes.budget import Storage
 from fxckpt.passes.offload import Placement
 from fxckpt.planning import tiers
 from fxckpt.planning.planner import Choice
-from fxckpt.runtime.disk import DISK, STAGING_SLOTS, staged_bytes
+from fxckpt.runtime.disk import DISK
 from fxckpt.runtime.pool import size_class
+from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
 
 # cost_model="unit" plans without measuring anything: the disk is taken as 10x slower than
 # the unit model's host link (1 MB per unit step).

@@ -43,20 +43,14 @@ from fxckpt import _files
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import disk_dir, stats
 from fxckpt.runtime.engine import Transfer, get_engine
-from fxckpt.runtime.pool import PoolExhausted, get_pool
+from fxckpt.runtime.staging import Staging, staged_bytes
+from fxckpt.runtime.staging import give_back as _give_back
 
 HOST, DISK = 0, 1
-STAGING_SLOTS = 2
 
 
 class DiskTierWarning(UserWarning):
     """The disk tier could not take an activation; it stayed in host or device memory."""
-
-
-def staged_bytes(nbytes: int) -> int:
-    """What a disk transfer of ``nbytes`` asks the pool for: whole pages, plus one page of
-    slack to align the start for ``O_DIRECT``."""
-    return _files.whole_pages(nbytes) + _files.PAGE_BYTES
 
 
 @dataclass(eq=False)
@@ -79,59 +73,7 @@ class DiskCopy:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Staging:
-    """At most ``STAGING_SLOTS`` staging buffers in flight, taken from the host pool."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._in_use = 0
-
-    def take(self, device_type: str, nbytes: int) -> tuple[torch.Tensor | None, float]:
-        """A buffer, or None when the pool refuses and nothing in flight will give one back;
-        and the seconds spent waiting for one."""
-        pool = get_pool(device_type)
-        waited = 0.0
-        with self._cond:
-            while True:
-                if self._in_use < STAGING_SLOTS:
-                    try:
-                        buf = pool.acquire(staged_bytes(nbytes))
-                    except PoolExhausted:
-                        if self._in_use == 0:
-                            return None, waited
-                    else:
-                        self._in_use += 1
-                        return buf, waited
-                start = time.perf_counter()
-                self._cond.wait(0.05)
-                waited += time.perf_counter() - start
-
-    def drain(self) -> float:
-        """Wait until no staging buffer is in flight; returns the seconds waited."""
-        start = time.perf_counter()
-        with self._cond:
-            if self._in_use == 0:
-                return 0.0
-            while self._in_use:
-                self._cond.wait(0.05)
-        return time.perf_counter() - start
-
-    def give(self, device_type: str, held: list[torch.Tensor]) -> None:
-        """Free a slot, and give the buffer in ``held`` (emptied; ``[]``: the buffer stays
-        taken) back to the pool. The caller holds no other reference: a buffer the pool
-        could free while someone still holds it would outlive the pool's accounting."""
-        _give_back(device_type, held)
-        with self._cond:
-            self._in_use -= 1
-            self._cond.notify_all()
-
-
-def _give_back(device_type: str, held: list[torch.Tensor]) -> None:
-    if held:
-        get_pool(device_type).release(held.pop())
-
-
-_staging = _Staging()
+_staging = Staging()
 _current: disk_dir.DiskDir | None = None
 _dead: collections.deque[tuple[Transfer, DiskCopy]] = collections.deque()
 _executors: dict[str, Any] = {}
