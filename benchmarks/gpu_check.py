@@ -18,16 +18,19 @@ figures to the JSON file. Inductor is the compiler unless ``--compiler eager``. 
 6. ``sync_debug``: a warm fxckpt step under ``torch.cuda.set_sync_debug_mode("error")``.
 7. ``profiler_overlap``: a profiled step shows copies on a side stream overlapping kernels.
 8. ``stall_figures``: with slow copies, ``stall_seconds`` is positive and below the step.
-9. ``memory_vs_simulator``: bytes left after the forward against the plan's kept bytes,
+9. ``disk_tier``: ``offload="all"`` with ``host_budget`` at a quarter of what it takes and an
+   ``offload_dir`` in a temporary folder: gradients within the floor, the host high-water
+   mark within the budget, bytes written to disk, no fallback, no file left.
+10. ``memory_vs_simulator``: bytes left after the forward against the plan's kept bytes,
    and the forward peak's change against the simulator's, within 5 %.
-10. ``cudagraphs``: ``benchmarks/gpu_cudagraphs.py`` trains under ``mode="reduce-overhead"``
+11. ``cudagraphs``: ``benchmarks/gpu_cudagraphs.py`` trains under ``mode="reduce-overhead"``
     against eager and finds any fxckpt op inside a captured partition.
-11. ``table``: peak, step time and exposed copy time of fxckpt against full checkpointing and
+12. ``table``: peak, step time and exposed copy time of fxckpt against full checkpointing and
     ``save_on_cpu`` (Qwen3-1.7B shape, ``--layers`` of 28, bf16, 8k and 32k tokens), within
     what is left of the deadline.
 
-Without CUDA, checks 3 and 4 run on the CPU with a tiny model and the rest are reported as
-skipped, with the reason.
+Without CUDA, checks 3, 4 and 9 run on the CPU with a tiny model and the rest are reported
+as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -252,6 +255,51 @@ def check_stall_figures(ctx: Ctx) -> None:
                    hidden_share=v.hidden_share(stall, copy))
 
 
+def check_disk_tier(ctx: Ctx) -> None:
+    import tempfile
+
+    import fxckpt
+    from fxckpt.runtime import disk, disk_dir, pool
+
+    cfg, batch = ctx.state["cfg"], ctx.state["batch"]
+    ref, floor, scale = ctx.state["ref"], ctx.state["floor"], ctx.state["scale"]
+    pool.set_pool_cap(0)  # empty the pool: the next high-water mark is one step's need
+    pool.set_pool_cap(None)
+    fxckpt.reset_stats()
+    _grads(ctx.state["fxckpt"], batch)
+    need = int(fxckpt.stats()["host_high_water_bytes"])
+    budget = need // 4
+    where = tempfile.mkdtemp(prefix="fxckpt-gpu-check-")
+    try:
+        spec = fxckpt_spec("fxckpt_disk", "host_budget=need/4, offload_dir", offload="all",
+                           min_offload_bytes=0, host_budget=budget, offload_dir=where)  # fmt: skip
+        runner = _runner(ctx, spec, cfg, torch.float32)
+        pool.set_pool_cap(0)
+        pool.set_pool_cap(budget)
+        fxckpt.reset_stats()
+        ok, note = v.within_floor(v.grad_diffs(ref, _grads(runner, batch)), floor, scale)
+        disk.wait_for_staging()
+        st = fxckpt.stats()
+        left = disk.current().files() if disk.current() is not None else []
+    finally:
+        disk.shutdown()
+        disk_dir.close_all()
+        pool.set_pool_cap(None)  # later checks' models were compiled without a host budget
+    why = [] if ok else [f"gradients: {note}"]
+    if st["host_high_water_bytes"] > budget:
+        why.append(f"host high water {st['host_high_water_bytes']} > budget {budget}")
+    if st["disk_bytes"] <= 0:
+        why.append("nothing went to disk")
+    if st["fallbacks"] or st["disk_fallbacks"]:
+        why.append(f"fallbacks: {st['fallbacks']} host, {st['disk_fallbacks']} disk")
+    if left:
+        why.append(f"{len(left)} files left after the step")
+    ctx.report.add("disk_tier", "failed" if why else "passed", "; ".join(why), need_bytes=need,
+                   budget_bytes=budget, host_high_water_bytes=st["host_high_water_bytes"],
+                   disk_bytes=st["disk_bytes"], disk_write_seconds=st["disk_write_seconds"],
+                   disk_read_seconds=st["disk_read_seconds"], stall_seconds=st["stall_seconds"])
+
+
 def check_memory_vs_simulator(ctx: Ctx) -> None:
     import fxckpt
 
@@ -343,12 +391,13 @@ CHECKS: tuple[tuple[str, bool, float, Callable[[Ctx], None]], ...] = (
     ("sync_debug", True, 5, check_sync_debug),
     ("profiler_overlap", True, 10, check_profiler_overlap),
     ("stall_figures", True, 5, check_stall_figures),
+    ("disk_tier", False, 30, check_disk_tier),
     ("memory_vs_simulator", True, 90, check_memory_vs_simulator),
     ("cudagraphs", True, 60, check_cudagraphs),
     ("table", True, 120, check_table),
 )
 NEEDS_STATE = {"race_detector", "pinned_slabs", "sync_debug", "profiler_overlap",
-               "stall_figures"}
+               "stall_figures", "disk_tier"}
 
 
 def run_checks(ctx: Ctx, only: Sequence[str] = ()) -> None:

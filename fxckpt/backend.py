@@ -101,15 +101,43 @@ def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
     return compat.make_boxed_func(gm.forward)
 
 
-def compile_graph(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options, mode: str | None = None
-) -> Any:
-    """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator."""
-    from fxckpt.runtime import engine, pool
+def configure_runtime(options: Options) -> None:
+    """Apply the options that set up the runtime, per process (the last compile's win).
 
-    # Runtime settings apply per process: the last compile's options win, as documented.
+    The host pool's cap is the host budget (staging for the disk tier is taken from the same
+    pool). ``offload_dir`` is checked here, so a missing or unwritable directory is an
+    :class:`OptionsError` at compile time, and what killed processes left there is removed.
+    """
+    from fxckpt.runtime import disk, engine, pool
+
     engine.set_copy_streams(options.copy_streams)
-    pool.set_pool_cap(options.pinned_pool_bytes)
+    pool.set_pool_cap(options.resolve_host_budget())
+    if options.offload_dir is not None:
+        disk.use_directory(options.offload_dir)
+    elif options.offload_dir_bandwidth is not None:
+        raise OptionsError(
+            "offload_dir_bandwidth",
+            options.offload_dir_bandwidth,
+            "None unless offload_dir is given too (fxckpt inspect --offload-dir-bandwidth plans "
+            "a disk tier offline; training needs the directory)",
+            "a disk tier's bandwidth, but no offload_dir to write to",
+        )
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options,
+    mode: str | None = None,
+    *,
+    offline: bool = False,
+) -> Any:
+    """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator.
+
+    ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
+    """
+    if not offline:
+        configure_runtime(options)
     partitioner = FxckptPartitioner(options)
     if options.compiler == "eager":
         if mode not in (None, "default"):
@@ -184,10 +212,14 @@ def fxckpt_backend(
 
 
 class Backend:
-    """A validated fxckpt backend, as returned by :func:`fxckpt.backend`."""
+    """A validated fxckpt backend, as returned by :func:`fxckpt.backend`.
 
-    def __init__(self, options: Options) -> None:
+    ``offline``: for planning on meta tensors; compiling leaves the runtime's settings alone.
+    """
+
+    def __init__(self, options: Options, *, offline: bool = False) -> None:
         self.options = options
+        self.offline = offline
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> Any:
         if kw.get("options"):
@@ -196,7 +228,7 @@ class Backend:
                 kw["options"],
                 "options passed to fxckpt.backend(...), not to torch.compile as well",
             )
-        return compile_graph(gm, example_inputs, self.options, kw.get("mode"))
+        return compile_graph(gm, example_inputs, self.options, kw.get("mode"), offline=self.offline)
 
     def __repr__(self) -> str:
         return f"fxckpt.backend({self.options!r})"

@@ -29,6 +29,8 @@ _FLAG_TO_OPTION = {
     "offload": "offload",
     "min_offload": "min_offload_bytes",
     "bandwidth": "bandwidth",
+    "host_budget": "host_budget",
+    "offload_dir_bandwidth": "offload_dir_bandwidth",
     "cost_model": "cost_model",
     "blocks": "blocks",
 }
@@ -68,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--offload", metavar="MODE", help="auto, never or all")
     opts.add_argument("--min-offload", metavar="B", help="min_offload_bytes, e.g. 1MiB")
     opts.add_argument("--bandwidth", metavar="BW", help='host<->device bandwidth, e.g. "25GB/s"')
+    opts.add_argument("--host-budget", metavar="B",
+                      help='host_budget: "64GiB", bytes, a fraction of this machine\'s RAM, auto '
+                           "or none")  # fmt: skip
+    opts.add_argument("--offload-dir-bandwidth", metavar="BW",
+                      help='plan a disk tier of this bandwidth, e.g. "3GB/s": offloads the host '
+                           "budget cannot hold go to disk")  # fmt: skip
     opts.add_argument("--cost-model", metavar="M", help="flops, profile or unit")
     opts.add_argument("--blocks", metavar="REGEX", help="module paths of the repeated blocks")
     out = p.add_argument_group("output")
@@ -105,7 +113,7 @@ def _int_or_text(text: str) -> Any:
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Options fields the flags set, converted as the Python API would receive them."""
     convert = {"budget": budget_value, "stride": _int_or_text, "width": _int_or_text,
-               "min_offload": _int_or_text}  # fmt: skip
+               "min_offload": _int_or_text, "host_budget": budget_value}  # fmt: skip
     out: dict[str, Any] = {}
     for flag, option in _FLAG_TO_OPTION.items():
         value = getattr(args, flag)

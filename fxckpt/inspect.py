@@ -276,7 +276,7 @@ def plan_workload(
     module.train()  # plan the training step: dropout and friends as in training
     torch._dynamo.reset()
     stats.reset()
-    compiled = torch.compile(module, backend=Backend(options))
+    compiled = torch.compile(module, backend=Backend(options, offline=True))
     start = time.perf_counter()
     say("tracing the model with dynamo")
     try:

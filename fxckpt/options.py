@@ -16,6 +16,7 @@ import numbers
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import InitVar
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 # the 512 MiB floor covers the fixed-size part (CUDA context growth, library handles).
 AUTO_MARGIN = 0.10
 AUTO_MARGIN_BYTES = 512 * 2**20
+# host_budget="auto" leaves the rest of the host for what appears after compile time and is
+# not fxckpt's: the optimizer's and the data loader's host memory, checkpoint staging, and the
+# page cache that buffered writes of the disk tier go through. A quarter of the available
+# memory scales with the machine; the 1 GiB floor covers a small machine's fixed part.
+HOST_AUTO_MARGIN = 0.25
+HOST_AUTO_MARGIN_BYTES = 2**30
 
 _UNITS: dict[str, int] = {
     "": 1, "b": 1,
@@ -45,6 +52,11 @@ _BUDGET_ACCEPTED = (
 )
 _BYTES_ACCEPTED = 'an int number of bytes or a string such as "12GiB", "800MB"'
 _AUTO_FALLBACK = "an explicit budget in bytes or a fraction"
+_HOST_BUDGET_ACCEPTED = (
+    'None (no limit), an int number of bytes, a string such as "64GiB", a float fraction in '
+    '(0, 1] of the machine\'s RAM, or "auto"'
+)
+_DIR_ACCEPTED = "None or the path of an existing, writable directory (ideally on NVMe)"
 _MAX_COPY_STREAMS = 32  # the CUDA stream pool holds 32 streams per priority
 # Options whose default the planner relaxes when only it stands between a budget and a plan
 # that meets it: with no segment_stride of the user's own, the planner recomputes blocks.
@@ -167,6 +179,37 @@ def _parse_budget(value: Any) -> int | float | str | None:
     return budget
 
 
+def _parse_host_budget(value: Any) -> int | float | str | None:
+    option, accepted = "host_budget", _HOST_BUDGET_ACCEPTED
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or not 0 < value <= 1:
+            detail = "a float is a fraction in (0, 1] of the machine's RAM; for bytes write an "
+            detail += "int or a string like '64GiB'"
+            raise OptionsError(option, value, accepted, detail)
+        return value
+    try:
+        return parse_bytes(value, option)
+    except OptionsError as e:
+        raise OptionsError(option, value, accepted, e.detail) from None
+
+
+def _parse_dir(value: Any) -> str | None:
+    option = "offload_dir"
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        detail = f"a {type(value).__name__} is not a path"
+        raise OptionsError(option, value, _DIR_ACCEPTED, detail)
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path.strip():
+        raise OptionsError(option, value, _DIR_ACCEPTED, "an empty path")
+    if "\0" in path:
+        raise OptionsError(option, value, _DIR_ACCEPTED, "a NUL character in the path")
+    return os.path.abspath(os.path.expanduser(path))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Every fxckpt option, validated and normalised on construction (see DESIGN.md §1).
@@ -190,7 +233,11 @@ class Options:
     min_offload_bytes: int = 0
     prefetch: str = "auto"
     copy_streams: int = 1
-    pinned_pool_bytes: int | None = None
+    host_budget: int | float | str | None = None
+    offload_dir: str | None = None
+    offload_dir_bandwidth: float | None = None
+    # A documented alias of host_budget that takes bytes only (the name of earlier versions).
+    pinned_pool_bytes: InitVar[int | str | None] = None
     bandwidth: float | None = None
     cost_model: str = "flops"
     compiler: str = "inductor"
@@ -198,7 +245,7 @@ class Options:
     blocks: str | None = None
     block_index: int | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, pinned_pool_bytes: int | str | None = None) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)  # the dataclass is frozen
 
@@ -214,11 +261,24 @@ class Options:
         put("segment_width", width)
         put("min_offload_bytes", parse_bytes(self.min_offload_bytes, "min_offload_bytes"))
         put("copy_streams", _parse_int(self.copy_streams, "copy_streams", 1, _MAX_COPY_STREAMS))
-        pool = parse_bytes(self.pinned_pool_bytes, "pinned_pool_bytes", allow_none=True)
-        put("pinned_pool_bytes", pool)
+        put("host_budget", _parse_host_budget(self.host_budget))
+        alias = parse_bytes(pinned_pool_bytes, "pinned_pool_bytes", allow_none=True)
+        if alias is not None:
+            if self.host_budget is not None and self.host_budget != alias:
+                accepted = f"only one of the two, or the same bytes as host_budget={self.host_budget!r}"
+                detail = "pinned_pool_bytes is an alias of host_budget"
+                raise OptionsError("pinned_pool_bytes", pinned_pool_bytes, accepted, detail)
+            put("host_budget", alias)
+        put("offload_dir", _parse_dir(self.offload_dir))
+        rate = parse_bandwidth(self.offload_dir_bandwidth, "offload_dir_bandwidth")
+        put("offload_dir_bandwidth", rate)
         put("bandwidth", parse_bandwidth(self.bandwidth, "bandwidth"))
         for name, choices in _CHOICES.items():
             put(name, _parse_choice(getattr(self, name), name, choices))
+        if self.offload_dir is not None and self.offload == "never":
+            accepted = "None when offload='never' (nothing is offloaded, so nothing reaches it)"
+            detail = "offload='never' and an offload_dir contradict each other"
+            raise OptionsError("offload_dir", self.offload_dir, accepted, detail)
         _check_blocks(self.blocks)
         if self.block_index is not None:
             put("block_index", _parse_int(self.block_index, "block_index", 0))
@@ -285,6 +345,27 @@ class Options:
         free = _free_bytes(device)
         return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
 
+    def resolve_host_budget(self) -> int | None:
+        """The host budget in bytes, or ``None`` when there is no limit.
+
+        A float is that fraction of the machine's RAM (``MemTotal``); ``"auto"`` is the host
+        memory available now (``MemAvailable``) less ``HOST_AUTO_MARGIN`` of it and
+        ``HOST_AUTO_MARGIN_BYTES``, never below 0.
+        """
+        budget = self.host_budget
+        if budget is None or isinstance(budget, int):
+            return budget
+        if isinstance(budget, float):
+            return int(budget * _host_total_bytes())
+        free = _host_available_bytes("host_budget")
+        return max(0, int(free * (1 - HOST_AUTO_MARGIN)) - HOST_AUTO_MARGIN_BYTES)
+
+
+# Read as an attribute, the alias gives the option it sets (earlier versions read it so).
+Options.pinned_pool_bytes = property(  # type: ignore[attr-defined]
+    lambda self: self.host_budget, doc="Alias of ``host_budget`` (bytes only when given)."
+)
+
 
 _dataclass_init = Options.__init__
 
@@ -330,24 +411,45 @@ def _free_bytes(device: torch.device | str | None) -> int:
     return int(mem_get_info(dev)[0])
 
 
-def _host_available_bytes() -> int:
-    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (the fallback) does not,
-    # so it underestimates, which errs on the safe side.
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024  # the value is in kB
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _host_available_bytes(option: str = "memory_budget") -> int:
+    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (the fallback) does not,
+    # so it underestimates, which errs on the safe side.
+    found = _meminfo("MemAvailable")
+    if found is not None:
+        return found
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         detail = "cannot read the host's available memory"
-        raise OptionsError("memory_budget", "auto", _AUTO_FALLBACK, detail) from None
+        raise OptionsError(option, "auto", _AUTO_FALLBACK, detail) from None
 
 
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))
+def _host_total_bytes() -> int:
+    """The machine's RAM: what a fractional ``host_budget`` is a fraction of."""
+    found = _meminfo("MemTotal")
+    if found is not None:
+        return found
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        detail = "cannot read the machine's RAM size"
+        raise OptionsError("host_budget", "a fraction", "an int number of bytes", detail) from None
+
+
+# Names that Options accepts but does not keep: each sets the option it maps to.
+ALIASES: dict[str, str] = {"pinned_pool_bytes": "host_budget"}
+OPTION_NAMES: tuple[str, ...] = (*(f.name for f in dataclasses.fields(Options)), *ALIASES)
 
 
 def options_from_env(env_var: str = "FXCKPT_OPTIONS") -> dict[str, Any]:

@@ -299,9 +299,24 @@ class FakeCuda:
     def locked_bytes(self) -> int:
         return sum(self.locked.values())
 
+    def host_access(self, start: int, nbytes: int, *, write: bool, what: str) -> None:
+        """The host itself reads or writes ``nbytes`` at ``start`` (a file write reads a pinned
+        buffer; a file read fills one). It is ordered after exactly what the host has seen
+        complete (``query``/``synchronize``); anything else touching those bytes is a race."""
+        end = start + nbytes
+        for a in self.accesses:
+            if a.start < end and start < a.end and (write or a.write) \
+                    and self.host_clock.get(a.sid, 0) < a.clock[a.sid]:
+                self.races.append(
+                    f"host {what} {'writes' if write else 'reads'} [{start:#x}, {end:#x}) "
+                    f"unordered with {a.what} on {self.streams[a.sid]} "
+                    f"{'writing' if a.write else 'reading'} it"
+                )
+
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
+

@@ -36,6 +36,9 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "prefetch": [0, None],
         "copy_streams": ["2", 1.0, None, True],
         "pinned_pool_bytes": [[], True, 0.5],
+        "host_budget": [[], True, b"64GiB", {"a": 1}],
+        "offload_dir": [3, True, b"/tmp", ["/tmp"]],
+        "offload_dir_bandwidth": [[], True, b"2GB/s"],
         "bandwidth": [[], True, b"25GB/s"],
         "cost_model": [1, None],
         "compiler": [False, None],
@@ -52,6 +55,9 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "prefetch": ["early", "JIT"],
         "copy_streams": [0, -1, 33],
         "pinned_pool_bytes": [-1, "-4KiB"],
+        "host_budget": [-1, "-4KiB", 0.0, 1.5, 12e9, "lots", "Auto"],
+        "offload_dir": ["", "   ", "/tmp/a\0b"],
+        "offload_dir_bandwidth": [0, -1, "0GB/s"],
         "bandwidth": [0, 0.0, -1, -1e9, "0GB/s", "-1GB/s", 10**400],
         "cost_model": ["time", "FLOPS"],
         "compiler": ["aot_eager", "Inductor", "cudagraphs"],
@@ -68,6 +74,9 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "prefetch": [NAN],
         "copy_streams": [NAN],
         "pinned_pool_bytes": [NAN, INF],
+        "host_budget": [NAN, INF, -INF],
+        "offload_dir": [NAN],
+        "offload_dir_bandwidth": [NAN, INF],
         "bandwidth": [NAN, INF, "infGB/s"],
         "cost_model": [NAN],
         "compiler": [NAN],
@@ -84,6 +93,9 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "prefetch": None,
         "copy_streams": None,
         "pinned_pool_bytes": ["12 XB", "12 GiBs"],
+        "host_budget": ["12 XB", "64 GiBs"],
+        "offload_dir": None,
+        "offload_dir_bandwidth": ["2 XB/s", "2GB/h"],
         "bandwidth": ["25 XB/s", "25GB/h"],
         "cost_model": None,
         "compiler": None,
@@ -100,6 +112,8 @@ CONTRADICTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"segment_stride": 0, "segment_width": 1}, "segment_width", "segment_stride=0"),
     ({"segment_stride": 1, "segment_width": 5}, "segment_width", "segment_stride=1"),
     ({"blocks": r"layers\.\d+$", "block_index": 3}, "block_index", "blocks="),
+    ({"offload": "never", "offload_dir": "/tmp"}, "offload_dir", "offload='never'"),
+    ({"host_budget": "1GiB", "pinned_pool_bytes": "2GiB"}, "pinned_pool_bytes", "host_budget"),
 ]
 UNKNOWN_KEYS: list[tuple[str, str | None]] = [
     ("memory_budjet", "memory_budget"),
@@ -134,7 +148,8 @@ def test_the_matrix_covers_every_option_with_every_kind() -> None:
     assert set(MATRIX) == {"wrong type", "out of range", "NaN or infinite", "unknown unit"}
     for kind, per_option in MATRIX.items():
         assert set(per_option) == set(OPTION_NAMES), (kind, set(OPTION_NAMES) ^ set(per_option))
-    byte_options = {"memory_budget", "min_offload_bytes", "pinned_pool_bytes", "bandwidth"}
+    byte_options = {"memory_budget", "min_offload_bytes", "pinned_pool_bytes", "bandwidth",
+                    "host_budget", "offload_dir_bandwidth"}
     assert {n for n, v in MATRIX["unknown unit"].items() if v} == byte_options
     for kind in ("wrong type", "out of range", "NaN or infinite"):
         assert all(MATRIX[kind][n] for n in OPTION_NAMES), kind

@@ -79,8 +79,8 @@ def test_table_for_a_gpt_factory(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     header = next(line for line in out.splitlines() if "module" in line and "reason" in line)
     assert re.findall(r"[a-z]+", header) == list(COLUMNS)
-    for label in ("baseline saved", "resident peak", "offloaded to host", "recomputed",
-                  "est. added step time", "host pool needed"):  # fmt: skip
+    for label in ("baseline saved", "resident peak", "offloaded to host", "offloaded to disk",
+                  "recomputed", "est. added step time", "device / host / disk"):  # fmt: skip
         assert label in out
     assert "interior of segment" in out and "layers.0" in out
     assert "done in" in err  # progress lines on stderr, not in the table

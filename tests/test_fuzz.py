@@ -375,7 +375,7 @@ def test_regression_pool_cap_over_budget_raises_budget_error() -> None:
     err = info.value.inner_exception
     assert isinstance(err, fxckpt.BudgetError), type(err)
     assert err.smallest_bytes > err.budget_bytes
-    assert "a larger pinned_pool_bytes" in err.suggestions
+    assert "a larger host_budget or an offload_dir" in err.suggestions
 
 
 def test_regression_pool_cap_over_budget_warns_in_warn_mode() -> None:
@@ -383,7 +383,7 @@ def test_regression_pool_cap_over_budget_warns_in_warn_mode() -> None:
     backend = fxckpt.backend(**POOL_CAPPED_OPTIONS, on_infeasible="warn")
     with pytest.warns(UserWarning, match="cannot meet memory_budget") as record:
         assert_step_matches(model, inputs, backend)
-    assert any("to go lower: a larger pinned_pool_bytes" in str(w.message) for w in record)
+    assert any("to go lower: a larger host_budget or an offload_dir" in str(w.message) for w in record)
     (plan,) = fxckpt.last_plans()
     assert plan.resident_peak_bytes is not None and plan.budget_bytes is not None
     assert plan.resident_peak_bytes > plan.budget_bytes

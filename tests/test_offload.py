@@ -140,17 +140,18 @@ def test_runtime_fallbacks_stay_on_the_device_and_are_counted_in_bytes() -> None
     assert starved.held_bytes == normal.held_bytes + s["fallback_bytes"]
 
 
-def test_pinned_pool_cap_keeps_the_rest_and_warns_once() -> None:
+@pytest.mark.parametrize("option", ["host_budget", "pinned_pool_bytes"])  # and its alias
+def test_host_budget_without_a_disk_keeps_the_rest_and_warns_once(option: str) -> None:
     torch.manual_seed(0)
     cap = 20_000
-    with pytest.warns(UserWarning, match="pinned_pool_bytes") as record:
+    with pytest.warns(UserWarning, match="host_budget") as record:
         assert_step_matches(
-            GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler="eager", pinned_pool_bytes=cap, **ALL)
+            GPT(n_layers=2), gpt_inputs(), fxckpt.backend(compiler="eager", **{option: cap}, **ALL)
         )
-    assert sum("pinned_pool_bytes" in str(w.message) for w in record) == 1
+    assert sum("host_budget" in str(w.message) for w in record) == 1
     (plan,) = fxckpt.last_plans()
     assert 0 < plan.offloaded_bytes <= cap
-    assert any("pinned_pool_bytes" in r.decision.reason for r in plan.activations if r.decision.kind == "keep")
+    assert any("host_budget" in r.decision.reason for r in plan.activations if r.decision.kind == "keep")
 
 
 def test_pool_stops_growing_over_200_steps() -> None:

@@ -51,6 +51,14 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "prefetch", v) for v in ["early", "JIT", None, 0]),
     *(({}, "copy_streams", v) for v in [0, -1, 33, True, 1.0, "2", None, NAN]),
     *(({}, "pinned_pool_bytes", v) for v in [-1, True, NAN, INF, 0.5, "12 XB", "12 GiBs", []]),
+    ({"host_budget": 4096}, "pinned_pool_bytes", 8192),  # an alias that says otherwise
+    *(({}, "host_budget", v) for v in [
+        -1, True, NAN, INF, -INF, 0.0, -0.5, 1.5, 12e9, "12 XB", "12 GiBs", "-4KiB", "Auto",
+        "lots", "", [], b"64GiB",
+    ]),
+    *(({}, "offload_dir", v) for v in [3, 1.5, True, b"/tmp", [], "", "   ", "/tmp/a\0b"]),
+    ({"offload": "never"}, "offload_dir", "/tmp"),  # nothing would ever reach it
+    *(({}, "offload_dir_bandwidth", v) for v in [0, -1, NAN, INF, True, "fast", "2GB/h", []]),
     *(({}, "bandwidth", v) for v in [
         0, 0.0, -1, -1e9, NAN, INF, True, False, "fast", "25GB/h", "0GB/s", "-1GB/s",
         "25 XB/s", [], 10**400,
@@ -209,7 +217,8 @@ def test_defaults() -> None:
     assert o.to_dict() == {
         "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
         "min_offload_bytes": 0, "prefetch": "auto", "copy_streams": 1,
-        "pinned_pool_bytes": None, "bandwidth": None, "cost_model": "flops",
+        "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
+        "bandwidth": None, "cost_model": "flops",
         "compiler": "inductor", "on_infeasible": "raise", "blocks": None, "block_index": None,
     }  # fmt: skip
 
@@ -227,6 +236,8 @@ def test_segment_width_defaults_to_stride(stride: int, width: int | None, expect
      ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
      ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
      ("min_offload_bytes", 0, 0), ("pinned_pool_bytes", "8GiB", 8 * GiB),
+     ("host_budget", "64GiB", 64 * GiB), ("host_budget", 0, 0), ("host_budget", 0.25, 0.25),
+     ("host_budget", "auto", "auto"), ("offload_dir_bandwidth", "2GB/s", 2e9),
      ("bandwidth", "25GB/s", 25e9), ("blocks", r"layers\.\d+$", r"layers\.\d+$")],
 )  # fmt: skip
 def test_good_values(name: str, value: Any, expected: Any) -> None:
@@ -285,7 +296,9 @@ def test_cache_key_equal_for_equal_options() -> None:
     "changes",
     [{"memory_budget": 1}, {"memory_budget": 1.0}, {"segment_stride": 1}, {"offload": "all"},
      {"min_offload_bytes": MiB}, {"prefetch": "jit"}, {"copy_streams": 2},
-     {"pinned_pool_bytes": 0}, {"bandwidth": 1}, {"cost_model": "unit"},
+     {"pinned_pool_bytes": 0}, {"host_budget": 0.5}, {"host_budget": "auto"},
+     {"offload_dir": "/tmp"}, {"offload_dir_bandwidth": "1GB/s"}, {"bandwidth": 1},
+     {"cost_model": "unit"},
      {"compiler": "eager"}, {"on_infeasible": "warn"}, {"blocks": "x"}],
 )  # fmt: skip
 def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
@@ -307,8 +320,9 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 
 
 def test_option_names() -> None:
-    assert OPTION_NAMES == tuple(f.name for f in dataclasses.fields(Options))
-    assert len(OPTION_NAMES) == 14
+    fields = tuple(f.name for f in dataclasses.fields(Options))
+    assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
+    assert len(fields) == 16
 
 
 @pytest.mark.parametrize(
@@ -376,3 +390,40 @@ def test_options_from_env_rejects(monkeypatch: pytest.MonkeyPatch, text: str) ->
         options_from_env()
     assert info.value.option == "FXCKPT_OPTIONS"
     assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("total", [8 * GiB, 64 * GiB])
+@pytest.mark.parametrize("available", [0, 512 * MiB, 40 * GiB])
+def test_resolve_host_budget(monkeypatch: pytest.MonkeyPatch, total: int, available: int) -> None:
+    from fxckpt.options import HOST_AUTO_MARGIN, HOST_AUTO_MARGIN_BYTES
+
+    monkeypatch.setattr(options_module, "_host_total_bytes", lambda: total)
+    monkeypatch.setattr(options_module, "_host_available_bytes", lambda option="x": available)
+    assert Options().resolve_host_budget() is None
+    assert Options(host_budget="3GiB").resolve_host_budget() == 3 * GiB
+    assert Options(pinned_pool_bytes=4096).resolve_host_budget() == 4096
+    assert Options(host_budget=0.25).resolve_host_budget() == total // 4
+    auto = max(0, int(available * (1 - HOST_AUTO_MARGIN)) - HOST_AUTO_MARGIN_BYTES)
+    assert Options(host_budget="auto").resolve_host_budget() == auto
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs /proc/meminfo")
+def test_host_budget_auto_and_fractions_read_this_machine() -> None:
+    auto = Options(host_budget="auto").resolve_host_budget()
+    whole = Options(host_budget=1.0).resolve_host_budget()
+    assert auto is not None and whole is not None
+    assert 0 <= auto < _mem_available() <= whole
+
+
+def test_pinned_pool_bytes_is_an_alias_of_host_budget() -> None:
+    a = Options(pinned_pool_bytes="1GiB")
+    assert a == Options(host_budget=GiB) and a.pinned_pool_bytes == GiB
+    assert "pinned_pool_bytes" not in a.to_dict()
+    assert Options(host_budget=GiB, pinned_pool_bytes="1GiB").host_budget == GiB  # the same: fine
+    assert Options.from_mapping({"pinned_pool_bytes": 4096}).host_budget == 4096
+
+
+def test_offload_dir_is_made_absolute() -> None:
+    o = Options(offload_dir="rel/dir")
+    assert o.offload_dir is not None and Path(o.offload_dir).is_absolute()
+    assert o.offload_dir.endswith("rel/dir")

@@ -8,6 +8,7 @@ engines is the same at the end as after warm-up, and the plan registry holds one
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import os
@@ -131,3 +132,77 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
     assert all(n.startswith(("fxckpt-d2h", "fxckpt-h2d")) for n in warm_workers)
     assert list(engine._engines) == [torch.device("cpu")]  # one engine: no stream or pool per step
     assert len(fxckpt.last_plans()) == 1
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts fds in /proc")
+def test_1000_steps_through_the_disk_tier_leave_files_fds_rss_and_host_memory_flat(tmp_path) -> None:
+    from fxckpt.runtime import disk, disk_dir
+
+    # tmpfs where there is one: the soak is about what stays behind, not the disk's speed.
+    shm = "/dev/shm"
+    where_to = tmp_path
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        where_to = tmp_path.__class__(shm) / f"fxckpt-soak-{os.getpid()}"
+        where_to.mkdir()
+    torch.manual_seed(0)
+    model = GPT(vocab=16, d=8, heads=2, n_layers=2)
+    batches = [gpt_inputs(vocab=16, seq=8, seed=s) for s in range(4)]
+    options = {"compiler": "eager", "offload": "all", "min_offload_bytes": 256, "cost_model": "unit"}
+    # What offload="all" takes from the host pool, then a quarter of it as the host budget.
+    torch.compile(copy.deepcopy(model), backend=fxckpt.backend(**options))(*batches[0]).backward()
+    budget = stats.snapshot()["host_high_water_bytes"] // 4
+    torch._dynamo.reset()
+    pool.set_pool_cap(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    backend = fxckpt.backend(**options, host_budget=budget, offload_dir=str(where_to))
+    compiled = torch.compile(model, backend=backend)
+
+    def train(n: int) -> None:
+        for i in range(n):
+            opt.zero_grad(set_to_none=True)
+            compiled(*batches[i % len(batches)]).backward()
+            opt.step()
+
+    try:
+        train(1)
+        fxckpt.reset_stats()  # the high-water mark from here on
+        train(WARMUP - 1)
+        gc.collect()
+        warm = stats.snapshot()
+        where = disk.current()
+        assert where is not None
+        warm_fds, warm_rss, warm_workers = _open_fds(), _rss_bytes(), _fxckpt_threads()
+        assert warm["disk_bytes"] > 0 and warm["disk_files"] == 0 and where.files() == []
+        assert 0 < warm["host_high_water_bytes"] <= budget
+
+        rss = []
+        for _ in range((STEPS - WARMUP) // 100):
+            train(100)
+            rss.append(_rss_bytes())
+        gc.collect()
+        end = stats.snapshot()
+
+        # Files: every one removed once its step's backward is done; none left over.
+        assert where.files() == [] and end["disk_files"] == 0
+        assert end["disk_bytes"] == warm["disk_bytes"] * (STEPS - 1) // (WARMUP - 1)
+        assert end["disk_fallbacks"] == 0 and end["fallbacks"] == 0
+        # Descriptors, threads and host memory: as after warm-up.
+        assert _open_fds() == warm_fds
+        assert _fxckpt_threads() == warm_workers
+        assert {"fxckpt-disk-w_0", "fxckpt-disk-r_0"} <= set(warm_workers)
+        assert end["host_high_water_bytes"] == warm["host_high_water_bytes"] <= budget
+        assert end["pool_bytes"] == warm["pool_bytes"]
+        assert end["offloaded_bytes"] == end["prefetched_bytes"]
+        assert max(rss) - warm_rss < RSS_SLACK_BYTES, [r - warm_rss for r in rss]
+        assert rss[-1] - rss[len(rss) // 2] < RSS_SLACK_BYTES // 2, [r - warm_rss for r in rss]
+    finally:
+        disk.shutdown()
+        disk_dir.close_all()
+        disk._current = None
+        if where_to != tmp_path:
+            where_to.rmdir()

@@ -7,7 +7,6 @@ together, since evicting one view of a storage another view keeps frees nothing.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
@@ -23,7 +22,6 @@ from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
-from fxckpt.runtime.pool import size_class
 
 
 @dataclass(frozen=True)
@@ -197,39 +195,6 @@ def forced_offloads(
         elif any(a.name in requested for a in s.members):
             forced[s.key], why[s.key] = "offload", "offload: the checkpoint policy asks for it"
     return forced, why
-
-
-def cap_host_pool(
-    final: list[SavedActivation], choices: dict[str, Choice], cap: int | None, graph_name: str
-) -> bool:
-    """Keep, in forward order, the offloads that would not fit ``pinned_pool_bytes``.
-
-    Returns whether any choice changed.
-    """
-    if cap is None:
-        return False
-    used, dropped = 0, 0
-    seen: set[str] = set()
-    for a in sorted(final, key=lambda a: a.produced):
-        choice = choices.get(a.storage)
-        if choice is None or choice.kind != "offload" or a.storage in seen:
-            continue
-        seen.add(a.storage)
-        need = size_class(a.bytes)  # what the pool will really hand out
-        if used + need <= cap:
-            used += need
-            continue
-        choices[a.storage] = Choice(
-            "keep", f"keep: the host pool is full (pinned_pool_bytes={cap}, {used} B in use)"
-        )
-        dropped += 1
-    if dropped:
-        warnings.warn(
-            f"fxckpt[{graph_name}]: pinned_pool_bytes={cap} holds {used} B of offloads; "
-            f"{dropped} more tensors stay on the device. Raise pinned_pool_bytes to offload them.",
-            stacklevel=2,
-        )
-    return dropped > 0
 
 
 def offload_candidates(

@@ -45,6 +45,7 @@ class Placement:
     prefetch_before: str
     offload_after: str | None = None
     wait_before: str | None = None
+    tier: int = 0  # the offload op's tier argument: 1 sends the tensor on to the disk tier
 
 
 def _handle_val(like: torch.Tensor) -> torch.Tensor:
@@ -164,8 +165,11 @@ def insert_offloads(
         val = src.meta["val"]
         with fw.graph.inserting_after(fw_nodes[p.offload_after or p.name]):
             # The backward placeholder takes the same name, as for any saved tensor.
+            # The tier argument only where it is not the default, so host-tier graphs read as
+            # they always did.
+            args = (src,) if p.tier == 0 else (src, p.tier)
             handle = fw.graph.create_node(
-                "call_function", OFFLOAD, (src,), name=f"{p.name}_handle"
+                "call_function", OFFLOAD, args, name=f"{p.name}_handle"
             )
         handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
         done_after = fw_nodes[p.done_after]

@@ -46,7 +46,8 @@ from fxckpt.graph.activations import (
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
-from fxckpt.passes.offload import insert_note, insert_offloads
+from fxckpt.passes.host import read_ahead, with_tiers
+from fxckpt.passes.offload import Placement, insert_note, insert_offloads
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
 from fxckpt.passes.schedule import pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
@@ -273,9 +274,7 @@ def partition(
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
     plan.timeline = plan_timeline
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(
-            fw, bw, place_offloads(fw, bw, _offloaded(part, decision), fused=inductor)
-        )
+        fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
@@ -368,17 +367,24 @@ def _is_rng_state(node: fx.Node) -> bool:
     return node.target is rng or (isinstance(parent, fx.Node) and parent.target is rng)
 
 
-def _offloaded(part: Partition, decision: RoundDecision | None
-               ) -> list[tuple[SavedActivation, int, int]]:
+def _placements(
+    fw: fx.GraphModule, bw: fx.GraphModule, part: Partition, decision: RoundDecision | None,
+    options: Options, inductor: bool,
+) -> list[Placement]:
+    """Where each offloaded tensor's ops go: the simulator's copy positions, a disk tensor's
+    prefetch issued earlier by its read time, and its offload marked for the disk tier."""
     if decision is None:
         return []
     sim = decision.solution.sim
     index = {s.key: i for i, s in enumerate(decision.storages)}
-    return [
+    offloaded = [
         (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
         for a in part.saved
         if decision.kind_of(a.storage) == "offload"
     ]
+    offloaded = read_ahead(offloaded, decision.choices, decision.problem, options)
+    placed = place_offloads(fw, bw, offloaded, fused=inductor)
+    return with_tiers(placed, part.saved, decision.choices)
 
 
 def _notes(blocks: BlockFacts, stride: int) -> list[str]:

@@ -31,13 +31,13 @@ from fxckpt.passes.budget import (
     Storage,
     bandwidth_bytes_per_ms,
     build_problem,
-    cap_host_pool,
     forced_offloads,
     group_by_storage,
     offload_candidates,
     reasons,
     step_costs,
 )
+from fxckpt.passes.host import HostReport, place_tiers, warn_host_short
 from fxckpt.passes.segment import random_output
 from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, search
 from fxckpt.planning.planner import Choice
@@ -66,6 +66,8 @@ class RoundDecision:
     recompute_ms: dict[str, float]  # storage key -> ms, for those single ops
     flops: dict[str, float]  # activation name -> FLOPs to rebuild it
     blocks_ms: float
+    host: HostReport | None = None  # what host_budget moved: offloads to disk, recompute, keep
+    host_capped: bool = False  # the plan met the budget before host_budget kept offloads
 
     @property
     def feasible(self) -> bool:
@@ -156,7 +158,39 @@ class RoundPlanner:
             pick = pick if pick.feasible else None
         if pick is None:
             pick = choose(problem, facts, budget, opts.prefetch)
-        return _decision(pick, storages, flops, forced_why, budget)
+        decision = _decision(pick, storages, flops, forced_why, budget)
+        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute)
+
+
+def _host_tiers(
+    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool
+) -> RoundDecision:
+    """The decision with every offload given a tier under ``host_budget``: host memory, the
+    disk tier, or (the host being short and no disk taking it) a single-op recompute or a
+    keep, simulated again when that changed a choice."""
+    before = [decision.kind_of(s.key) for s in decision.storages]
+    host, changed = place_tiers(
+        decision.problem, decision.storages, decision.choices, options,
+        allow_recompute=allow_recompute and budget is not None, report=None,
+    )  # fmt: skip
+    if not changed:
+        return dataclasses.replace(decision, host=host)
+    c = decision.problem.candidates
+    picked = [decision.kind_of(s.key) for s in decision.storages]
+    sim = simulate(decision.problem, picked, prefetch=options.prefetch)  # type: ignore[arg-type]
+    solution = dataclasses.replace(
+        decision.solution, choices=picked, peak=sim.peak, peak_at=sim.peak_at,
+        cost_ms=sim.cost_ms, sim=sim, feasible=budget is None or sim.peak <= budget,
+    )  # fmt: skip
+    single, single_ms = set(decision.recompute), dict(decision.recompute_ms)
+    for i, s in enumerate(decision.storages):
+        if picked[i] == "recompute" and before[i] == "offload":
+            single |= {a.name for a in s.members}
+            single_ms[s.key] = c.recompute_ms[i]
+    return dataclasses.replace(
+        decision, solution=solution, recompute=frozenset(single), recompute_ms=single_ms,
+        host=host, host_capped=decision.solution.feasible and not solution.feasible,
+    )  # fmt: skip
 
 
 def _decision(
@@ -218,23 +252,14 @@ def settle(
     decision: RoundDecision, saved: list[SavedActivation], options: Options, budget: int | None,
     graph_name: str, *, sizes: str = "",
 ) -> Solution:
-    """What follows the last round: an unmet budget raises (or warns), the host pool's cap
-    keeps the offloads it cannot hold, and the plan is simulated again if that changed it."""
+    """What follows the last round: an unmet budget raises (or warns), naming
+    ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
+    and one warning says what the host budget moved."""
     solution = decision.solution
     if budget is not None and not solution.feasible:
-        infeasible(graph_name, budget, solution.peak, options, sizes=sizes)
-    if cap_host_pool(saved, decision.choices, options.pinned_pool_bytes, graph_name):
-        picked = [decision.kind_of(s.key) for s in decision.storages]
-        sim = simulate(decision.problem, picked, prefetch=options.prefetch)  # type: ignore[arg-type]
-        met = solution.feasible
-        solution = dataclasses.replace(
-            solution, choices=picked, peak=sim.peak, peak_at=sim.peak_at, cost_ms=sim.cost_ms,
-            sim=sim,
-        )
-        # Offloads the pool cap kept on the device can push a plan that met the budget over
-        # it; that must raise (or warn) like any infeasible budget, not pass silently.
-        if budget is not None and met and solution.peak > budget:
-            infeasible(graph_name, budget, solution.peak, options, pool_capped=True, sizes=sizes)
+        infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,
+                   sizes=sizes)  # fmt: skip
+    warn_host_short(graph_name, decision.host)
     return solution
 
 
@@ -246,7 +271,7 @@ def infeasible(
 
     Every hint names an option the user set: the planner already relaxed the defaults.
     """
-    hints = ["a larger pinned_pool_bytes"] if pool_capped else []
+    hints = ["a larger host_budget or an offload_dir"] if pool_capped else []
     if options.offload == "never":
         hints.append("offload='auto'")
     if options.segment_stride == 0 and options.is_explicit("segment_stride"):

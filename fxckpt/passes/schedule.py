@@ -244,6 +244,11 @@ def _set_after(node: fx.Node, after: list[fx.Node]) -> None:
         return
     schema = node.target._schema  # type: ignore[union-attr]
     names = [a.name for a in schema.arguments]
-    args = list(node.args) + [None] * (len(names) - len(node.args))
+    # Arguments between the given ones and ``after`` take their schema defaults (offload's
+    # ``tier``), passed positionally so that ``after`` can follow them.
+    args = list(node.args) + [
+        node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(node.args) :]
+    ]
     args[names.index("after")] = after
     node.args = tuple(args)
+    node.kwargs = {}

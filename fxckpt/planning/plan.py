@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
+Tier = Literal["host", "disk"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,15 @@ class Recompute:
 
 @dataclass(frozen=True)
 class Offload:
-    """The forward copies the tensor to host memory; the backward prefetches it back."""
+    """The forward copies the tensor to host memory; the backward prefetches it back.
+
+    ``tier`` is where it waits: ``"host"`` (the host pool) or ``"disk"`` (a file in
+    ``offload_dir``, staged through host memory on the way).
+    """
 
     reason: str
     kind: DecisionKind = field(default="offload", init=False)
+    tier: Tier = "host"
 
 
 Decision = Keep | Recompute | Offload
@@ -46,8 +52,12 @@ _BY_KIND: dict[str, type[Keep] | type[Recompute] | type[Offload]] = {
 }
 
 
-def decision_from(kind: str, reason: str) -> Decision:
-    """Build the Decision named by ``kind``."""
+def decision_from(kind: str, reason: str, tier: str = "host") -> Decision:
+    """Build the Decision named by ``kind`` (``tier``: where an offload waits)."""
+    if kind == "offload":
+        if tier not in ("host", "disk"):
+            raise ValueError(f"an offload's tier is 'host' or 'disk', not {tier!r}")
+        return Offload(reason, tier=tier)  # type: ignore[arg-type]
     return _BY_KIND[kind](reason)
 
 
@@ -67,7 +77,7 @@ class PlannedActivation:
     flops: float = 0.0  # FLOPs to recompute it (recomputed rows only)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "module": self.module,
             "op": self.op,
@@ -80,6 +90,9 @@ class PlannedActivation:
             "storage": self.storage,
             "flops": self.flops,
         }
+        if isinstance(self.decision, Offload):
+            out["tier"] = self.decision.tier
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PlannedActivation:
@@ -90,18 +103,20 @@ class PlannedActivation:
             shape=tuple(d["shape"]),
             dtype=d["dtype"],
             bytes=int(d["bytes"]),
-            decision=decision_from(d["decision"], d["reason"]),
+            decision=decision_from(d["decision"], d["reason"], d.get("tier", "host")),
             block=d.get("block"),
             storage=d.get("storage", ""),
             flops=float(d.get("flops", 0.0)),
         )
 
 
-def _bytes_per_storage(rows: list[PlannedActivation], kind: str) -> int:
+def _bytes_per_storage(rows: list[PlannedActivation], kind: str, tier: str | None = None) -> int:
     seen: set[str] = set()
     total = 0
     for r in rows:
         key = r.storage or r.name
+        if tier is not None and getattr(r.decision, "tier", None) != tier:
+            continue
         if r.decision.kind == kind and key not in seen:
             seen.add(key)
             total += r.bytes
@@ -140,8 +155,13 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the offloaded tensors of one step occupy."""
-        return self.offloaded_bytes
+        """Bytes of the offloaded tensors that wait in host memory (the host tier)."""
+        return _bytes_per_storage(self.activations, "offload", tier="host")
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the offloaded tensors that wait in files (``offload → disk``)."""
+        return _bytes_per_storage(self.activations, "offload", tier="disk")
 
     def decision_of(self, name: str) -> Decision:
         for r in self.activations:
@@ -160,6 +180,7 @@ class Plan:
             "recomputed_bytes": self.recomputed_bytes,
             "recomputed_flops": self.recomputed_flops,
             "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes,
             "est_overhead_ms": self.est_overhead_ms,
             "options": dict(self.options),
             "notes": list(self.notes),
@@ -191,6 +212,7 @@ class Plan:
         return (
             f"{self.name}: baseline saved {mib(self.baseline_saved_bytes)}, "
             f"resident peak {mib(self.resident_peak_bytes)} (budget {budget}); "
-            f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}, "
-            f"recomputed {mib(self.recomputed_bytes)}"
+            f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}"
+            + (f" ({mib(self.disk_bytes)} to disk)" if self.disk_bytes else "")
+            + f", recomputed {mib(self.recomputed_bytes)}"
         )

@@ -21,6 +21,7 @@ class Choice:
 
     kind: str  # "keep", "offload", "recompute"
     reason: str
+    tier: str = "host"  # an offload's: "host" or "disk"
 
 
 def _row(a: SavedActivation, decision: Decision, flops: float = 0.0) -> PlannedActivation:
@@ -76,7 +77,7 @@ def build_plan(
             reason = choice.reason if choice is not None else "keep: no budget asks to evict it"
             rows.append(_row(a, Keep(reason)))
         elif choice.kind == "offload":
-            rows.append(_row(a, Offload(choice.reason)))
+            rows.append(_row(a, Offload(choice.reason, tier=choice.tier)))  # type: ignore[arg-type]
         else:
             raise ValueError(f"saved tensor {a.name} cannot be {choice.kind!r}")
     reasons = recompute_reasons or {}

@@ -207,8 +207,10 @@ def overview_svg(plan: Plan) -> str:
     and recomputes, with the budget as a dashed line."""
     bars = [("baseline: plain min-cut saves", plan.baseline_saved_bytes, COLORS["baseline"]),
             ("plan: resident peak on the device", plan.resident_peak_bytes, COLORS["plan"]),
-            ("plan: offloaded to host", plan.offloaded_bytes, COLORS["offload"]),
+            ("plan: offloaded to host", plan.host_bytes, COLORS["offload"]),
             ("plan: recomputed in the backward", plan.recomputed_bytes, COLORS["recompute"])]  # fmt: skip
+    if plan.disk_bytes:
+        bars.insert(3, ("plan: offloaded to disk", plan.disk_bytes, COLORS["offload"]))
     budget = plan.budget_bytes
     top = max([b[1] for b in bars] + [budget or 0, 1]) * 1.05
     left, row, height = 250, 26, 26 * len(bars) + 30

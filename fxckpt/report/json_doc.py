@@ -14,7 +14,8 @@ from fxckpt.report.table import SweepRow, totals
 
 VERSION = 1
 TOTAL_KEYS = ("baseline_saved_bytes", "resident_peak_bytes", "offloaded_bytes",
-              "recomputed_bytes", "recomputed_flops", "host_bytes", "est_overhead_ms")  # fmt: skip
+              "recomputed_bytes", "recomputed_flops", "host_bytes", "disk_bytes",
+              "est_overhead_ms")  # fmt: skip
 
 
 def totals_dict(plans: Sequence[Plan]) -> dict[str, Any]:
@@ -86,6 +87,7 @@ ACTIVATION_SCHEMA: dict[str, Any] = {
         "block": {"type": ["integer", "null"]},
         "storage": _NAME,
         "flops": _NUM,
+        "tier": {"enum": ["host", "disk"]},  # offload rows: where the tensor waits
     },
 }
 
@@ -116,6 +118,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "recomputed_bytes": _INT,
         "recomputed_flops": _NUM,
         "host_bytes": _INT,
+        "disk_bytes": _INT,
         "est_overhead_ms": _NUM,
         "options": {"type": "object"},
         "notes": {"type": "array", "items": _NAME},

@@ -47,10 +47,17 @@ def shape_text(shape: Sequence[Any]) -> str:
     return "×".join(str(s) for s in shape) if shape else "scalar"
 
 
+def decision_text(a: PlannedActivation) -> str:
+    """``keep``, ``recompute``, ``offload`` (to host memory) or ``offload → disk``."""
+    if getattr(a.decision, "tier", "host") == "disk":
+        return "offload → disk"
+    return a.decision.kind
+
+
 def row_cells(a: PlannedActivation) -> tuple[str, ...]:
     """One table row, in :data:`COLUMNS` order."""
     return (a.module or "-", a.op, shape_text(a.shape), a.dtype, human_bytes(a.bytes),
-            a.decision.kind, a.decision.reason)  # fmt: skip
+            decision_text(a), a.decision.reason)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Totals:
     recomputed_bytes: int
     recomputed_flops: float
     host_bytes: int
+    disk_bytes: int
     est_overhead_ms: float
     over_budget: tuple[str, ...]  # names of graphs whose resident peak exceeds their budget
 
@@ -80,6 +88,7 @@ def totals(plans: Sequence[Plan]) -> Totals:
         recomputed_bytes=sum(p.recomputed_bytes for p in plans),
         recomputed_flops=sum(p.recomputed_flops for p in plans),
         host_bytes=sum(p.host_bytes for p in plans),
+        disk_bytes=sum(p.disk_bytes for p in plans),
         est_overhead_ms=sum(p.est_overhead_ms for p in plans),
         over_budget=tuple(
             p.name
@@ -104,12 +113,18 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("baseline saved (plain min-cut)", human_bytes(base)),
         ("budget", budget),
         ("resident peak (plan)", share(t.resident_peak_bytes)),
-        ("offloaded to host", share(t.offloaded_bytes)),
+        ("offloaded to host", share(t.host_bytes)),
+        ("offloaded to disk", share(t.disk_bytes)),
         ("recomputed", share(t.recomputed_bytes)
          + (f", {human_flops(t.recomputed_flops)}" if t.recomputed_flops else "")),
         ("est. added step time", human_ms(t.est_overhead_ms)),
-        ("host pool needed", human_bytes(t.host_bytes)),
+        ("device / host / disk", " / ".join(human_bytes(n) for n in (
+            t.resident_peak_bytes, t.host_bytes, t.disk_bytes))),
     ]
+    hosts = {p.options.get("host_budget") for p in plans} - {None}
+    if hosts:
+        items.append(("host budget", ", ".join(sorted(
+            human_bytes(h) if isinstance(h, int) else str(h) for h in hosts))))  # fmt: skip
     for p in plans:
         if p.name in t.over_budget and p.budget_bytes is not None:
             items.append(("OVER BUDGET", f"graph {p.name} peaks at "

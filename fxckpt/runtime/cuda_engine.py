@@ -139,6 +139,46 @@ class CudaEngine:
             raise RuntimeCopyError(f"fxckpt: restoring {rec.describe()} failed: {rec.error}")
         return dev, 0.0
 
+    def wait_copied(self, d2h: Any, rec: Transfer) -> None:
+        # The disk tier's writer thread reads the pinned buffer next: the host must see the
+        # copy complete (disk.py, rule W1).
+        d2h.synchronize()
+        if rec.error is not None:
+            raise RuntimeCopyError(f"fxckpt: offload of {rec.describe()} failed: {rec.error}")
+
+    def restore_sync(self, rec: Transfer, host: torch.Tensor) -> torch.Tensor:
+        # Runs on the disk tier's reader thread, whose current stream is not compute's. The
+        # span is allocated on the copy stream that fills it, so the caching allocator
+        # orders its reuse there; adopt() then names compute with record_stream.
+        cuda = _cuda.CUDA
+        delay, fail = _copy_plan()
+        with cuda.device(self.device):
+            side = self._stream(_H2D)
+            with cuda.use_stream(side):
+                dev = cuda.empty(rec.span, rec.dtype, self.device)
+                if _config.poison_fresh:
+                    dev.view(torch.uint8).fill_(0xFF)
+                start, done = cuda.event(timing=True), cuda.event(timing=True)
+                start.record(side)
+                if delay:
+                    cuda.sleep(delay)
+                if fail:
+                    raise RuntimeCopyError(f"fxckpt: restoring {rec.describe()} failed: "
+                                           f"{_injected('host-to-device')}")
+                cuda.copy(dev.view(torch.uint8), host)
+                done.record(side)
+        # The host buffer is given back when this returns (disk.py, rule R2), and compute
+        # takes the span without another wait: both need the copy complete now.
+        done.synchronize()
+        self._timed["copy_seconds"].append((start, done))
+        return dev
+
+    def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
+        cuda = _cuda.CUDA
+        # Allocated on a copy stream: compute's use must hold the block until compute is done.
+        cuda.record_stream(dev, cuda.current_stream(self.device))
+        return dev
+
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         # Dropped without its wait (exception mid-step, backward never run): the copies may
         # still be running. Make the allocating stream wait for them before the blocks can

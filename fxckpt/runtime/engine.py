@@ -44,6 +44,7 @@ class Transfer:
     src_stream: Any = None  # CUDA stream the source was produced on
     dev_stream: Any = None  # CUDA stream ``dev`` was allocated on
     error: str | None = None  # an injected failure (CUDA has no worker to raise in)
+    disk: Any = None  # the disk tier's DiskCopy, for a tensor that goes to a file
 
     def describe(self) -> str:
         return (
@@ -69,6 +70,16 @@ class Engine(Protocol):
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         """Drop device references safely; returns when the host buffer may be reused."""
+
+    def wait_copied(self, d2h: Any, rec: Transfer) -> None:
+        """Block the calling (worker) thread until the device-to-host copy ``d2h`` is complete."""
+
+    def restore_sync(self, rec: Transfer, host: torch.Tensor) -> torch.Tensor:
+        """On a worker thread: a fresh device span holding ``host``'s bytes, copied completely
+        before this returns (``host`` may be reused at once)."""
+
+    def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
+        """Hand compute a span :meth:`restore_sync` made on another thread."""
 
     def shutdown(self) -> None: ...
 
@@ -178,22 +189,23 @@ class CpuEngine:
 
     def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
         delay, fail = _copy_plan()
-        views = [span, host]
+        # The job lets go of both tensors as soon as it has copied: the executor keeps a done
+        # job alive until its thread next runs. Held then, the source could be freed on the
+        # worker's thread, which the CPU memory meter does not see, and a host buffer could
+        # outlive the pool's accounting of it (the pool may already have freed and replaced it).
+        tensors = [span, host]
+        del span, host
 
         def copy() -> None:
             started = time.perf_counter()
-            # The worker lets go of the views before the future completes: the executor keeps
-            # a finished work item until its next one, so the worker could otherwise hold the
-            # last reference to the source after compute dropped rec.src, and free device
-            # memory on a thread the CPU memory meter does not see.
-            try:
-                if delay:
-                    time.sleep(delay)
-                if fail:
-                    raise RuntimeError(_injected("device-to-host"))
-                views[1].copy_(views[0])
-            finally:
-                views.clear()
+            if delay:
+                time.sleep(delay)
+            if fail:
+                tensors.clear()
+                raise RuntimeError(_injected("device-to-host"))
+            src, dst = tensors
+            tensors.clear()
+            dst.copy_(src)
             stats.add("copy_seconds", time.perf_counter() - started)
 
         rec.d2h = self._executors()[1].submit(copy)
@@ -207,9 +219,8 @@ class CpuEngine:
 
     def start_prefetch(self, rec: Transfer) -> None:
         dev = _fresh_span(rec)
-        out = dev.view(torch.uint8)
         assert rec.host is not None
-        host = rec.host[: rec.nbytes]
+        tensors = [dev.view(torch.uint8), rec.host[: rec.nbytes]]  # let go after the copy
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
 
@@ -220,6 +231,7 @@ class CpuEngine:
             except BaseException as cancelled:
                 err = cancelled
             if err is not None:
+                tensors.clear()
                 raise RuntimeCopyError(
                     f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed "
                     f"earlier, so it cannot be restored: {err!r}"
@@ -228,7 +240,10 @@ class CpuEngine:
             if delay:
                 time.sleep(delay)
             if fail:
+                tensors.clear()
                 raise RuntimeError(_injected("host-to-device"))
+            out, host = tensors
+            tensors.clear()
             out.copy_(host)
             stats.add("copy_seconds", time.perf_counter() - started)
 
@@ -241,6 +256,24 @@ class CpuEngine:
         stalled = 0.0 if _config.unsafe_skip_waits else _block_on(rec.h2d, rec, "host-to-device")
         rec.dev = None
         return dev, stalled
+
+    def wait_copied(self, d2h: Any, rec: Transfer) -> None:
+        _block_on(d2h, rec, "device-to-host")
+
+    def restore_sync(self, rec: Transfer, host: torch.Tensor) -> torch.Tensor:
+        delay, fail = _copy_plan()
+        started = time.perf_counter()
+        if delay:
+            time.sleep(delay)
+        if fail:
+            raise RuntimeError(_injected("host-to-device"))
+        dev = _fresh_span(rec)
+        dev.view(torch.uint8).copy_(host)
+        stats.add("copy_seconds", time.perf_counter() - started)
+        return dev
+
+    def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
+        return dev
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         done = tuple(f.done for f in (rec.d2h, rec.h2d) if f is not None)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import stats
+from fxckpt.runtime import disk, stats
 from fxckpt.runtime.engine import Transfer, get_engine
 from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
 
@@ -55,11 +55,17 @@ def _release(hid: int) -> None:
     rec = _records.pop(hid, None)
     if rec is None:
         return
+    if rec.disk is not None:
+        get_engine(rec.device).release(rec)
+        disk.release(rec)  # lock-free too; the file goes at the tier's next step
+        return
     pending = get_engine(rec.device).release(rec) if rec.host is not None else ()
     rec.kept = None
     if rec.host is not None:
-        get_pool(rec.device.type).release(rec.host, pending)
-        rec.host = None
+        # The record lets go first: a buffer the pool could free while the record still
+        # held it would outlive the pool's accounting.
+        host, rec.host = rec.host, None
+        get_pool(rec.device.type).release(host, pending)
 
 
 def _lookup(handle: torch.Tensor) -> Transfer:
@@ -81,15 +87,37 @@ def _lookup(handle: torch.Tensor) -> Transfer:
 _UNSAFE = (torch.Tag.cudagraph_unsafe,)
 
 
+def _to_disk(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> bool:
+    """Start ``rec`` on its way to the disk tier; False: it goes to host memory instead."""
+    if disk.current() is None:
+        disk.warn_once("a plan sent an activation to the disk tier, but no offload_dir is set "
+                       "in this process; it goes to host memory instead")
+        return False
+    rec.src = src
+    try:
+        if disk.start_offload(rec, span_t):
+            return True
+    except Exception as err:
+        rec.src = None
+        raise RuntimeCopyError(
+            f"fxckpt: could not start offloading {rec.describe()} to disk: {err!r}"
+        ) from err
+    rec.src = None
+    return False
+
+
 @torch.library.custom_op(
     "fxckpt::offload",
     mutates_args=(),
-    schema="(Tensor src, Tensor[]? after=None) -> Tensor",
+    schema="(Tensor src, int tier=0, Tensor[]? after=None) -> Tensor",
     tags=_UNSAFE,
 )
-def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def offload(
+    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Start copying ``src`` to host memory; returns the handle that names the copy.
 
+    ``tier`` 1 sends it on to a file in ``offload_dir`` (the plan's ``offload → disk``).
     ``after``, here and in every op below: tensors the op must run after, for ordering only
     (see :func:`fxckpt.passes.schedule.pin_positions`); the op does not read them.
     """
@@ -112,25 +140,10 @@ def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> t
         # serves transposed, sliced and broadcast (stride 0) tensors alike, and the restored
         # tensor is the same strides over a fresh span.
         span_t = src.as_strided((span,), (1,), src.storage_offset())
-        try:
-            host = get_pool(src.device.type).acquire(rec.nbytes)
-        except PoolExhausted as why:
-            warn_fallback(str(why), rec.describe())
-            stats.record_fallback(rec.nbytes)
-            rec.kept = span_t
-        else:
-            rec.host = host
-            rec.src = src
-            try:
-                get_engine(src.device).start_offload(
-                    rec, span_t.view(torch.uint8), host[: rec.nbytes]
-                )
-            except Exception as err:
-                get_pool(src.device.type).release(host)
-                raise RuntimeCopyError(
-                    f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
-                ) from err
+        if tier == disk.DISK and _to_disk(rec, src, span_t):
             stats.record_offload(rec.nbytes)
+        else:
+            _to_host(rec, src, span_t)
     else:
         stats.record_offload(0)
     # An explicit CPU device: a handle must never follow torch.set_default_device.
@@ -141,8 +154,38 @@ def offload(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> t
     return handle
 
 
+def _to_host(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> None:
+    """Start ``rec`` on its way to the host pool, or keep it on the device if none is left."""
+    try:
+        try:
+            host = get_pool(src.device.type).acquire(rec.nbytes)
+        except PoolExhausted:
+            waited = disk.wait_for_staging()  # the disk tier's writes give their buffers back
+            if not waited:
+                raise
+            stats.add("stall_seconds", waited)
+            host = get_pool(src.device.type).acquire(rec.nbytes)
+    except PoolExhausted as why:
+        warn_fallback(str(why), rec.describe())
+        stats.record_fallback(rec.nbytes)
+        rec.kept = span_t
+        return
+    rec.host = host
+    rec.src = src
+    try:
+        get_engine(src.device).start_offload(rec, span_t.view(torch.uint8), host[: rec.nbytes])
+    except Exception as err:
+        get_pool(src.device.type).release(host)
+        raise RuntimeCopyError(
+            f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
+        ) from err
+    stats.record_offload(rec.nbytes)
+
+
 @offload.register_fake
-def _(src: torch.Tensor, after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def _(
+    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -168,7 +211,7 @@ def offload_done(
     tensor) is what the node after the join depends on, which keeps it from running later.
     """
     rec = _lookup(handle)
-    if rec.host is not None:
+    if rec.host is not None or rec.disk is not None:
         stalled = get_engine(rec.device).finish_offload(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
@@ -183,6 +226,11 @@ def _(
 
 
 def _prefetch(rec: Transfer) -> None:
+    if rec.disk is not None:
+        if rec.disk.reading is None:
+            disk.start_prefetch(rec)
+            stats.add("prefetched_bytes", rec.nbytes)
+        return
     if rec.host is None or rec.dev is not None:
         return  # kept on the device, empty, or already in flight / landed
     get_engine(rec.device).start_prefetch(rec)
@@ -264,9 +312,12 @@ def wait(
             f"fxckpt::wait asked for {dtype}, size {list(size)}, stride {list(stride)} on "
             f"{device}, but {rec.describe()} was offloaded"
         )
-    if rec.host is not None:
+    if rec.host is not None or rec.disk is not None:
         _prefetch(rec)
-        span, stalled = get_engine(rec.device).finish_prefetch(rec)
+        if rec.disk is not None:
+            span, stalled = disk.finish_prefetch(rec)
+        else:
+            span, stalled = get_engine(rec.device).finish_prefetch(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
     else:

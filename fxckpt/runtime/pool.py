@@ -171,7 +171,7 @@ class HostPool:
         self._evict_idle(lambda: self.bytes + cls > cap)
         if self.bytes + cls > cap:
             raise PoolExhausted(
-                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"the host pool cap of {cap} bytes (option host_budget) would be exceeded: "
                 f"{self.bytes} bytes held by live offloads, {cls} more requested"
             )
 
@@ -226,7 +226,7 @@ class HostPool:
             raise PoolExhausted(f"page-locking a slab for {cls} bytes failed: {err}") from err
         if not grown:
             raise PoolExhausted(
-                f"the host pool cap of {cap} bytes (option pinned_pool_bytes) would be exceeded: "
+                f"the host pool cap of {cap} bytes (option host_budget) would be exceeded: "
                 f"{self.bytes} bytes page-locked, a slab for {cls} more does not fit"
             )
         self._held[0] += grown
@@ -302,8 +302,8 @@ def warn_fallback(reason: str, what: str) -> None:
     warnings.warn(
         f"fxckpt: an activation chosen for offload, {what}, stays on the device because "
         f"{reason}. Results are unaffected, but device memory is higher than planned; raise "
-        "pinned_pool_bytes or lower the offload volume. fxckpt.stats() counts every such "
-        "tensor in 'fallbacks' and its bytes in 'fallback_bytes'. (Warned once.)",
+        "host_budget, give an offload_dir, or lower the offload volume. fxckpt.stats() counts "
+        "every such tensor in 'fallbacks' and its bytes in 'fallback_bytes'. (Warned once.)",
         HostMemoryWarning,
         stacklevel=4,
     )

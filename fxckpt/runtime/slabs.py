@@ -4,7 +4,7 @@ torch's pinned allocator rounds every request up to a power of two and page-lock
 separately (``cudaHostAlloc`` per buffer, a driver-wide lock each time). Here a few large
 slabs are page-locked once, exactly (``fxckpt._cuda.CUDA.page_locked``), and the pool's size
 classes are cut out of them with a bump pointer. Page-locked bytes are then the slab bytes,
-which is what ``pinned_pool_bytes`` caps and ``stats()["pinned_bytes"]`` reports.
+which is what ``host_budget`` caps and ``stats()["pinned_bytes"]`` reports.
 
 A carved buffer keeps its size class for life. A slab whose buffers are all idle can be
 re-carved for other classes (no driver call) or given back to the system.

@@ -38,13 +38,19 @@ _COUNTERS = (
     "pool_hits",
     "pool_misses",
     "host_allocations",
+    "disk_bytes",
+    "disk_write_seconds",
+    "disk_read_seconds",
+    "disk_fallbacks",
 )
-# pool_bytes describes memory the process holds right now, so reset() leaves it alone.
-_LEVELS = ("pool_bytes", "pinned_bytes")
+_SECONDS = ("stall_seconds", "copy_seconds", "disk_write_seconds", "disk_read_seconds")
+# pool_bytes describes memory the process holds right now, so reset() leaves it alone; so do
+# pinned_bytes and disk_files (the disk tier's files on disk now).
+_LEVELS = ("pool_bytes", "pinned_bytes", "disk_files")
 
 _lock = threading.Lock()
 _values: dict[str, float | int] = dict.fromkeys(_COUNTERS + _LEVELS, 0)
-_values["stall_seconds"] = _values["copy_seconds"] = 0.0
+_values.update(dict.fromkeys(_SECONDS, 0.0))
 _high_water = 0
 # Called before every snapshot: the CUDA engine counts copy and stall times only once their
 # events have completed, which it checks without synchronizing.
@@ -215,12 +221,15 @@ def add_collector(fn: Callable[[], None]) -> None:
 
 
 def snapshot() -> dict[str, Any]:
-    """A consistent copy of every figure (see the module docstring)."""
+    """A consistent copy of every figure (see the module docstring), including
+    ``host_high_water_bytes``: the most host memory fxckpt held at once (every host pool
+    buffer, pinned or not, staging for the disk tier included)."""
     for collect in list(_collectors):
         collect()
     with _lock:
         out: dict[str, Any] = dict(_values)
         out["pool_high_water_bytes"] = _high_water
+        out["host_high_water_bytes"] = _high_water
         graphs = {name: asdict(fig) for name, fig in _graphs.items()}
     out["graphs"] = graphs
     out["planned_kept_bytes"] = sum(g["planned_kept_bytes"] for g in graphs.values())
@@ -235,7 +244,7 @@ def reset() -> None:
     with _lock:
         for name in _COUNTERS:
             _values[name] = 0
-        _values["stall_seconds"] = _values["copy_seconds"] = 0.0
+        _values.update(dict.fromkeys(_SECONDS, 0.0))
         _high_water = int(_values["pool_bytes"])
         _plans.clear()
         _graphs.clear()

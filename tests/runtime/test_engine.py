@@ -208,7 +208,8 @@ def test_importing_the_ops_creates_nothing():
     assert done.stdout.strip() == "ok"
 
 
-def test_runtime_imports_only_errors_and_the_cuda_seam_from_the_rest_of_fxckpt():
+def test_runtime_imports_only_errors_and_the_hardware_seams_from_the_rest_of_fxckpt():
+    # The seams: fxckpt._cuda (the GPU) and fxckpt._files (the disk tier's files).
     for path in sorted(RUNTIME.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -222,7 +223,7 @@ def test_runtime_imports_only_errors_and_the_cuda_seam_from_the_rest_of_fxckpt()
                 continue
             for name in names:
                 if name == "fxckpt" or name.startswith("fxckpt."):
-                    assert name in ("fxckpt.errors", "fxckpt._cuda") or name.startswith(
+                    assert name in ("fxckpt.errors", "fxckpt._cuda", "fxckpt._files") or name.startswith(
                         "fxckpt.runtime"
                     ), (
                         f"{path.name} imports {name}"

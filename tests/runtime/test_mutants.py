@@ -38,7 +38,7 @@ MUTANTS = [
      "return ()"),
     ("runtime/cuda_engine.py", "reached.record(compute)", 1, "pass"),
     ("runtime/cuda_engine.py", "released.record(compute)", 1, "pass"),
-    ("runtime/ops.py", "rec.src = src", 1, "pass"),
+    ("runtime/ops.py", "rec.src = src", 2, "pass"),  # the host tier's (#1 is the disk tier's)
     ("runtime/pool.py", "if all(done() for done in checks):", 1, "if True:"),
 ]
 

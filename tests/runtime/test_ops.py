@@ -51,7 +51,7 @@ CASES = {
 
 def test_schemas_are_the_contract():
     assert [str(op._schema) for op in ops.OPS] == [
-        "fxckpt::offload(Tensor src, Tensor[]? after=None) -> Tensor",
+        "fxckpt::offload(Tensor src, int tier=0, Tensor[]? after=None) -> Tensor",
         "fxckpt::offload_done(Tensor handle, Tensor keepalive, Tensor[]? after=None) -> Tensor",
         "fxckpt::prefetch(Tensor handle, Tensor[]? after=None) -> Tensor",
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "

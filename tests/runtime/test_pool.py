@@ -144,7 +144,7 @@ def test_cap_falls_back_to_the_device_with_exactly_one_warning():
         handles = [OPS.offload(s) for s in srcs]
     ours = [w for w in caught if issubclass(w.category, HostMemoryWarning)]
     assert len(ours) == 1
-    assert "pinned_pool_bytes" in str(ours[0].message)
+    assert "host_budget" in str(ours[0].message)
     assert "stays on the device" in str(ours[0].message)
     assert stats.snapshot()["fallbacks"] == 3
     assert pool.get_pool("cpu").bytes <= cap

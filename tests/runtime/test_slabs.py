@@ -54,7 +54,7 @@ def test_the_cap_bounds_page_locked_bytes_and_idle_slabs_are_recarved(hw):
     cap = 3 * MiB + 123
     p = HostPool(pinned=True, max_bytes=cap)
     held = []
-    with pytest.raises(PoolExhausted, match="pinned_pool_bytes"):
+    with pytest.raises(PoolExhausted, match="host_budget"):
         while True:
             held.append(p.acquire(300_000))
             assert hw.locked_bytes() <= cap

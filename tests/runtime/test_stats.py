@@ -102,6 +102,12 @@ def test_snapshot_has_every_documented_figure():
         "graphs",
         "planned_kept_bytes",
         "planned_peak_bytes",
+        "host_high_water_bytes",
+        "disk_bytes",
+        "disk_write_seconds",
+        "disk_read_seconds",
+        "disk_fallbacks",
+        "disk_files",
     }
 
 

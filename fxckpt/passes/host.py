@@ -1,0 +1,174 @@
+"""The host budget and the disk tier, applied to one graph's plan.
+
+:func:`place_tiers` turns the plan's offloads into the plain numbers of
+:mod:`fxckpt.planning.tiers`, asks where each one lives, and writes the answer into the
+choices: an offload's tier (``host`` or ``disk``), or a recompute / keep with its reason when
+the host is short and no disk takes it. :func:`read_ahead` issues a disk tensor's prefetch
+earlier by the disk's read time, and :func:`with_tiers` tells the offload ops which tensors
+go to disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxckpt import _files
+from fxckpt.graph.activations import SavedActivation, concrete
+from fxckpt.graph.memory import Problem
+from fxckpt.options import Options
+from fxckpt.passes.budget import Storage
+from fxckpt.passes.offload import Placement
+from fxckpt.planning import tiers
+from fxckpt.planning.planner import Choice
+from fxckpt.runtime.disk import DISK
+from fxckpt.runtime.pool import size_class
+from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
+
+# cost_model="unit" plans without measuring anything: the disk is taken as 10x slower than
+# the unit model's host link (1 MB per unit step).
+UNIT_DISK_BYTES_PER_MS = 1e5
+
+
+@dataclass
+class HostReport:
+    """What the host budget did to one graph's offloads, for the warning."""
+
+    budget: int
+    recomputed: int = 0
+    kept: int = 0
+    to_disk: int = 0
+
+
+def disk_rates(options: Options) -> tiers.DiskRates | None:
+    """The disk tier's bandwidth, or None when there is no disk tier.
+
+    ``offload_dir_bandwidth`` when given (both directions); else the unit model's constant;
+    else measured once per directory and process (:func:`fxckpt._files.measure_bandwidth`).
+    """
+    if options.offload_dir is None and options.offload_dir_bandwidth is None:
+        return None
+    if options.offload_dir_bandwidth is not None:
+        rate = options.offload_dir_bandwidth / 1e3
+        return tiers.DiskRates(rate, rate)
+    if options.cost_model == "unit":
+        return tiers.DiskRates(UNIT_DISK_BYTES_PER_MS, UNIT_DISK_BYTES_PER_MS)
+    assert options.offload_dir is not None
+    return tiers.DiskRates(*_files.measure_bandwidth(options.offload_dir))
+
+
+def copied_bytes(a: SavedActivation) -> int:
+    """Bytes the offload op of ``a`` copies: the runtime moves each saved tensor's own span,
+    so two views of one storage take two host buffers. A contiguous tensor's span is its
+    elements; any other view is counted as its whole storage (an upper bound)."""
+    dtype = getattr(torch, str(a.dtype).removeprefix("torch."), None)
+    if not a.contiguous or not isinstance(dtype, torch.dtype):
+        return a.bytes
+    numel = 1
+    for n in a.shape:
+        numel *= concrete(n)
+    return min(a.bytes, numel * dtype.itemsize)
+
+
+def _item(problem: Problem, i: int, s: Storage, prefetch: str) -> tiers.Item:
+    c, S, F = problem.candidates, problem.prefix_ms(), problem.timeline.num_forward
+    spans = [copied_bytes(a) for a in s.members]
+    return tiers.Item(
+        nbytes=sum(spans),
+        host_bytes=sum(size_class(n) for n in spans),
+        staged_bytes=max(size_class(staged_bytes(n)) for n in spans),
+        write_window_ms=S[F] - S[c.produced[i] + 1],
+        read_window_ms=S[c.first_bw_use[i]] - S[F] if prefetch == "auto" else 0.0,
+        recompute_ms=c.recompute_ms[i],
+    )
+
+
+def place_tiers(
+    problem: Problem,
+    storages: Sequence[Storage],
+    choices: dict[str, Choice],
+    options: Options,
+    *,
+    allow_recompute: bool,
+    report: HostReport | None,
+) -> tuple[HostReport | None, bool]:
+    """Give every offload in ``choices`` a tier under ``host_budget`` (``storages[i]`` is the
+    problem's candidate ``i``).
+
+    Returns the report (``report`` updated, or a new one, once the budget moved an offload)
+    and whether any choice changed kind (offload to recompute or keep).
+    """
+    budget = options.resolve_host_budget()
+    c = problem.candidates
+    keys = [s.key for s in storages]
+    offloaded = sorted((i for i, k in enumerate(keys) if choices[k].kind == "offload"),
+                       key=lambda i: (c.produced[i], i))  # fmt: skip
+    if budget is None or not offloaded:
+        return report, False
+    items = [_item(problem, i, storages[i], options.prefetch) for i in offloaded]
+    placed = tiers.assign(items, budget, disk_rates(options), allow_recompute=allow_recompute,
+                          staging_slots=STAGING_SLOTS)  # fmt: skip
+    if all(t.kind == "host" for t in placed):
+        return report, False
+    report = report or HostReport(budget)
+    for i, tier in zip(offloaded, placed, strict=True):
+        key = keys[i]
+        if tier.kind == "disk":
+            choices[key] = Choice("offload", tier.reason, tier="disk")
+            report.to_disk += 1
+        elif tier.kind != "host":
+            choices[key] = Choice(tier.kind, tier.reason)
+            report.recomputed += tier.kind == "recompute"
+            report.kept += tier.kind == "keep"
+    return report, any(t.kind in ("recompute", "keep") for t in placed)
+
+
+def warn_host_short(graph_name: str, report: HostReport | None) -> None:
+    """One warning per graph when the host budget turned offloads into recompute or keep."""
+    if report is None or not (report.recomputed or report.kept):
+        return
+    moved = [f"{n} {what}" for n, what in ((report.recomputed, "recomputed"),
+                                           (report.kept, "kept on the device")) if n]  # fmt: skip
+    warnings.warn(
+        f"fxckpt[{graph_name}]: host_budget={report.budget} cannot hold every offload; "
+        f"{' and '.join(moved)} instead. Give an offload_dir (a disk tier) or raise host_budget "
+        "to offload them.",
+        stacklevel=3,
+    )
+
+
+def _disk_storages(choices: dict[str, Choice]) -> set[str]:
+    return {k for k, ch in choices.items() if ch.kind == "offload" and ch.tier == "disk"}
+
+
+def read_ahead(
+    offloaded: Sequence[tuple[SavedActivation, int, int]],
+    choices: dict[str, Choice],
+    problem: Problem | None,
+    options: Options,
+) -> list[tuple[SavedActivation, int, int]]:
+    """``(tensor, d2h_done, prefetch_issue)`` with each disk tensor's prefetch issued earlier
+    by its read time (``prefetch="auto"`` only: ``"jit"`` asks for use-time prefetch)."""
+    disk = _disk_storages(choices)
+    rates = disk_rates(options) if disk else None
+    if rates is None or problem is None or options.prefetch != "auto":
+        return list(offloaded)
+    S, F = problem.prefix_ms(), problem.timeline.num_forward
+    return [
+        (a, done, tiers.read_ahead(S, F, issue, rates.read_ms(copied_bytes(a))) if a.storage in disk
+         else issue)
+        for a, done, issue in offloaded
+    ]  # fmt: skip
+
+
+def with_tiers(placements: Sequence[Placement], final: Sequence[SavedActivation],
+               choices: dict[str, Choice]) -> list[Placement]:
+    """The placements, those of disk tensors marked for the disk tier."""
+    disk = _disk_storages(choices)
+    names = {a.name for a in final if a.storage in disk}
+    return [dataclasses.replace(p, tier=DISK) if p.name in names else p for p in placements]
+
