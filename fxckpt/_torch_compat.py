@@ -106,15 +106,35 @@ def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Nod
     Inductor's ``preserve_node_ordering`` (``_inductor/fx_passes/control_dependencies``, in
     2.11 and 2.13) wraps each key node in the ``control_deps`` higher-order op; lowering turns
     the listed nodes into ordering-only dependencies of the operations the key node lowers
-    to: they neither extend a buffer's lifetime nor copy anything. Only for graphs Inductor
-    compiles: torch 2.11 has no eager kernel for ``control_deps``. A listed node must lower
+    to: they neither extend a buffer's lifetime nor copy anything. A listed node must lower
     to a tensor (2.11 drops other dependencies without a word), and a key node must lower to
     at least one operation of its own (a view or a getitem lowers to none).
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
 
+    _control_deps_kernels()
     preserve_node_ordering(graph, {node: OrderedSet(after) for node, after in deps.items()})
+
+
+def _control_deps_kernels() -> None:
+    """Give ``control_deps`` the autograd and eager kernels torch 2.13 gives it.
+
+    torch 2.11 registers only its fake kernel. Inductor's ``FakeTensorProp`` of the graph runs
+    with grad mode on, so the call dispatches through the autograd key first and fails
+    ("could not find kernel for HigherOrderOperator control_deps at dispatch key
+    AutogradCPU"): every pinned graph failed to compile on 2.11. Both kernels run the wrapped
+    subgraph, as torch 2.13's do; where torch has them, nothing is registered.
+    """
+    from torch._C import DispatchKey
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    def run(additional_deps: Any, subgraph: Any, *args: Any, **kwargs: Any) -> Any:
+        return subgraph(*args, **kwargs)
+
+    for key in (DispatchKey.CompositeExplicitAutograd, DispatchKey.Autograd):
+        if key not in control_deps.py_kernels:
+            control_deps.py_impl(key)(run)
 
 
 def assume_aligned_outputs(op: Any) -> None:
