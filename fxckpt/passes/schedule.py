@@ -258,6 +258,7 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     compute = {n for n in nodes if _computes(n)}
     last: fx.Node | None = None  # the last pinned op so far
+    last_out: fx.Node | None = None  # a tensor it produces
     since: list[fx.Node] = []  # compute nodes after it, in order
     deps: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
@@ -270,14 +271,16 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
                 if not (_reach(n, "users", compute) & later)
                 or any(meta.ROLE in u.meta and u is not node for u in _reach(n, "users", compute))
             ]
-            after = [last] if last is not None and _tensor_val(last) else []
+            after = [last_out] if last_out is not None else []
             after += [out for n in sinks if (out := _output(n)) is not None]
             taken = set(node.all_input_nodes)
             _set_after(node, [a for a in after if a not in taken])
-            last, since = node, []
+            # A bucket's wait returns a list: the chain goes through its first member.
+            last, last_out, since = node, _output(node), []
         elif node in compute:
             if last is not None and not (_reach(node, "all_input_nodes", compute) & {last, *since}):
-                deps[node] = [last]  # depends only on what ran before `last`: pin it after
+                # Depends only on what ran before `last`: pin it after (through a tensor).
+                deps[node] = [last_out or last]
             since.append(node)
     if deps:
         run_after(gm.graph, deps)
