@@ -149,8 +149,11 @@ class RoundPlanner:
             copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
-        # a bucket would only hold its members longer, so each tensor is copied alone.
-        if opts.coalesce == "auto" and problem.timeline.copy_overhead_ms > 0:
+        # a bucket would only hold its members longer, so each tensor is copied alone. Under
+        # a host budget too: the host tiers are decided tensor by tensor, and a bucket's one
+        # pool slot (all its members, until its wait) is not what they count.
+        if (opts.coalesce == "auto" and problem.timeline.copy_overhead_ms > 0
+                and opts.host_budget is None):
             c = problem.candidates
             ids = copy_buckets(storages, part.fw, self.blocks.block_of, c.can_offload)
             problem = Problem(problem.timeline, dataclasses.replace(c, bucket=ids))
