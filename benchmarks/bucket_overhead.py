@@ -1,6 +1,6 @@
 """Ops and host time per training step with copy buckets (``coalesce="auto"``) and without.
 
-    python -m benchmarks.bucket_overhead [--device cuda] [--compiler inductor] [--rounds 5]
+    python -m benchmarks.bucket_overhead [--device cuda] [--compiler inductor] [--json PATH]
 
 A small decoder (8 blocks, d=64) whose saved tensors are all offloaded (``offload="all"``),
 so that a step is mostly the runtime's fixed costs: op calls, events and hand-offs to the copy
@@ -18,11 +18,13 @@ counters), the step's wall time and the compute thread's CPU time, and both as o
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,12 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = measure(torch.device(args.device), args.compiler, rounds=args.rounds, steps=args.steps)
     print(f"{CONFIG.describe()}, batch 2, seq 64, {args.compiler}, {args.rounds} rotated rounds "
           f"of {args.steps} steps")
     print(table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
