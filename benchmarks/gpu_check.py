@@ -25,11 +25,15 @@ figures to the JSON file. Inductor is the compiler unless ``--compiler eager``. 
    and the forward peak's change against the simulator's, within 5 %.
 11. ``cudagraphs``: ``benchmarks/gpu_cudagraphs.py`` trains under ``mode="reduce-overhead"``
     against eager and finds any fxckpt op inside a captured partition.
-12. ``table``: peak, step time and exposed copy time of fxckpt against full checkpointing and
+12. ``bucket_overhead``: ``benchmarks/bucket_overhead.py``: fxckpt ops, hand-offs to the copy
+    engine and host time per step of a tiny decoder with everything offloaded, with copy
+    buckets and without (``coalesce="never"``) against keeping everything; fails if buckets
+    do not cut the ops and hand-offs.
+13. ``table``: peak, step time and exposed copy time of fxckpt against full checkpointing and
     ``save_on_cpu`` (Qwen3-1.7B shape, ``--layers`` of 28, bf16, 8k and 32k tokens), within
     what is left of the deadline.
 
-Without CUDA, checks 3, 4 and 9 run on the CPU with a tiny model and the rest are reported
+Without CUDA, checks 3, 4, 9 and 12 run on the CPU with a tiny model and the rest are reported
 as skipped, with the reason.
 """
 
@@ -351,6 +355,19 @@ def check_cudagraphs(ctx: Ctx) -> None:
     ctx.report.add("cudagraphs", "failed" if failures else "passed", "; ".join(failures))
 
 
+def check_bucket_overhead(ctx: Ctx) -> None:
+    from benchmarks.bucket_overhead import measure
+
+    rows = measure(ctx.device, ctx.compiler, rounds=3, steps=10)
+    alone, bucketed = rows["alone"], rows["bucketed"]
+    failed = [f"{key}: {bucketed[key]} with buckets, {alone[key]} without"
+              for key in ("ops_per_step", "handoffs_per_step") if not bucketed[key] < alone[key]]
+    figures = {name: {k: v for k, v in r.items() if not isinstance(v, list)}
+               for name, r in rows.items()}  # fmt: skip
+    ctx.report.add("bucket_overhead", "failed" if failed else "passed", "; ".join(failed),
+                   **figures)
+
+
 def check_table(ctx: Ctx) -> None:
     from benchmarks.cpu_bench import run_suite
 
@@ -394,6 +411,7 @@ CHECKS: tuple[tuple[str, bool, float, Callable[[Ctx], None]], ...] = (
     ("disk_tier", False, 30, check_disk_tier),
     ("memory_vs_simulator", True, 90, check_memory_vs_simulator),
     ("cudagraphs", True, 60, check_cudagraphs),
+    ("bucket_overhead", False, 30, check_bucket_overhead),
     ("table", True, 120, check_table),
 )
 NEEDS_STATE = {"race_detector", "pinned_slabs", "sync_debug", "profiler_overlap",

@@ -41,7 +41,10 @@ import torch
 import torch.nn as nn
 
 ROLES = ("offload", "offload_done", "prefetch", "wait", "note")
-_CALLED = {"note_saved": "note"}  # op name -> role, where they differ
+_CALLED = {  # op name -> role, where they differ
+    "note_saved": "note", "offload_many": "offload", "offload_many_done": "offload_done",
+    "wait_many": "wait",
+}
 _CALL = re.compile(r"torch\.ops\.fxckpt\.(\w+)\.default\(")
 
 

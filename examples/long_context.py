@@ -110,7 +110,7 @@ def measure(
     batch: int,
     compiler: str,
     plain_backend: Any,
-    min_offload_bytes: int | str = "1MiB",
+    min_offload_bytes: int | str | None = None,
 ) -> Measurement:
     """One training step at ``seq`` under plain compile and under fxckpt with ``budget``."""
     device = next(base.parameters()).device
@@ -130,7 +130,9 @@ def measure(
     torch._dynamo.reset()
     fxckpt.reset_stats()
     model = copy.deepcopy(base)
-    options = {"memory_budget": budget, "compiler": compiler, "min_offload_bytes": min_offload_bytes}
+    options: dict[str, Any] = {"memory_budget": budget, "compiler": compiler}
+    if min_offload_bytes is not None:  # otherwise the library's default (and its relaxation)
+        options["min_offload_bytes"] = min_offload_bytes
     compiled = torch.compile(model, backend="fxckpt", options=options)
     try:
         loss = compiled(idx, tgt)
@@ -190,7 +192,10 @@ def run(argv: list[str] | None = None) -> list[Measurement]:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d", type=int, default=64)
-    parser.add_argument("--min-offload-bytes", default="1MiB", help="fxckpt's min_offload_bytes")
+    parser.add_argument(
+        "--min-offload-bytes", default=None,
+        help="fxckpt's min_offload_bytes (default: the library's own, which prices each copy instead)",
+    )
     default_compiler = "inductor" if torch.cuda.is_available() else "eager"
     parser.add_argument("--compiler", choices=["eager", "inductor"], default=default_compiler)
     args = parser.parse_args(argv)

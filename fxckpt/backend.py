@@ -158,11 +158,12 @@ def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[s
     """The Inductor settings of one compile: fxckpt's partitioner, the FX graph cache's
     permission to store the graphs the partitioner pins
     (:func:`fxckpt._torch_compat.cache_pinned_graphs`), and ``mode``'s settings. Nothing
-    global changes, except that Inductor learns that ``wait``'s outputs are aligned
-    (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
-    from fxckpt.runtime import ops
+    global changes, except that Inductor learns that the outputs of ``wait`` and ``wait_many``
+    are aligned (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
+    from fxckpt.runtime import bucket_ops, ops
 
     compat.assume_aligned_outputs(ops.WAIT)
+    compat.assume_aligned_outputs(bucket_ops.WAIT_MANY)
     return {
         "custom_partitioner_fn": partitioner,
         **compat.cache_pinned_graphs(),

@@ -64,6 +64,7 @@ RELAXABLE: tuple[str, ...] = ("segment_stride",)
 _CHOICES: dict[str, tuple[str, ...]] = {
     "offload": ("auto", "never", "all"),
     "prefetch": ("auto", "jit"),
+    "coalesce": ("auto", "never"),
     "cost_model": ("flops", "profile", "unit"),
     "compiler": ("inductor", "eager"),
     "on_infeasible": ("raise", "warn"),
@@ -232,6 +233,7 @@ class Options:
     offload: str = "auto"
     min_offload_bytes: int = 0
     prefetch: str = "auto"
+    coalesce: str = "auto"
     copy_streams: int = 1
     host_budget: int | float | str | None = None
     offload_dir: str | None = None

@@ -16,6 +16,11 @@ from fxckpt.graph.blocks import find_blocks, module_path
         ("head", "head"),
         ("L['args'][0].model.layers.3.mlp", "model.layers.3.mlp"),
         ("L['args'][0]._modules['lm_head']", "lm_head"),
+        # A model held by a wrapper module (a diffusers transformer inside a loss module).
+        (
+            "L['self'].model.__dict__['_modules']['transformer_blocks'].1.attn",
+            "model.transformer_blocks.1.attn",
+        ),
     ],
 )
 def test_module_path_normalises_dynamo_paths(raw: str, want: str) -> None:

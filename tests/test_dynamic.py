@@ -180,7 +180,7 @@ def test_long_context_example_fits_lengths_plain_compile_cannot(capsys: pytest.C
     example = load_example("long_context")
     results = example.run([  # type: ignore[attr-defined]
         "--budget", "1MiB", "--seq-start", "128", "--max-seq", "1024", "--layers", "2",
-        "--d", "32", "--compiler", "eager", "--min-offload-bytes", "0",
+        "--d", "32", "--compiler", "eager",
     ])
     out = capsys.readouterr().out
     assert "longest length fxckpt fits and plain compile does not: 512 tokens" in out, out

@@ -190,16 +190,19 @@ def _train_step(compiled: Any, inputs: tuple[Any, ...]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("direction", "failures"),
-    [("device-to-host", 1), ("device-to-host", 4), ("host-to-device", 1), ("host-to-device", 4)],
+    ("direction", "failures", "cost_model"),
+    [("device-to-host", 1, "unit"), ("device-to-host", 4, "unit"), ("host-to-device", 1, "unit"),
+     ("host-to-device", 4, "unit"),
+     # Flops costs price a per-copy overhead: a block's tensors travel as one copy bucket.
+     ("device-to-host", 1, "flops"), ("host-to-device", 1, "flops")],
 )
 def test_a_failed_copy_is_a_clear_error_not_a_hang_and_the_next_step_works(
-    direction: str, failures: int
+    direction: str, failures: int, cost_model: str
 ) -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=2)
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=fxckpt.backend(**ALL))
+    compiled = torch.compile(model, backend=fxckpt.backend(**{**ALL, "cost_model": cost_model}))
     inputs = gpt_inputs()
     step(model, inputs, compiled)
     handles, in_use = _books()

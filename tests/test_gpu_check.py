@@ -84,6 +84,9 @@ def test_without_cuda_it_runs_the_cpu_checks_skips_the_rest_and_writes_one_json(
     doc = json.loads(out.read_text())
     status = {c["check"]: c["status"] for c in doc["checks"]}
     assert status["gradients"] == status["race_detector"] == "passed", doc["failures"]
+    assert status["bucket_overhead"] == "passed", doc["failures"]
+    buckets = next(c for c in doc["checks"] if c["check"] == "bucket_overhead")
+    assert 0 < buckets["bucketed"]["handoffs_per_step"] < buckets["alone"]["handoffs_per_step"]
     assert code == 0
     needs_cuda = [name for name, cuda, _, _ in gpu_check.CHECKS if cuda]
     assert all(status[n] == "skipped" for n in needs_cuda)

@@ -95,6 +95,13 @@ def decoder() -> Compiled:
     return _compile(GPT(n_layers=4, d=32), gpt_inputs(seq=32), DECODER, measure=True)
 
 
+@pytest.fixture(scope="module")
+def bucketed() -> Compiled:
+    # Priced by flops, each copy pays a fixed overhead: a block's tensors go in one bucket.
+    torch.manual_seed(0)
+    return _compile(GPT(n_layers=2, d=32), gpt_inputs(seq=32), {"offload": "all", "min_offload_bytes": 0})
+
+
 def _misplaced(graph: Graph) -> list[str]:
     return [
         f"{o.role}({o.source}): plan after kernel {o.planned_kernel}, code after "
@@ -132,6 +139,13 @@ def test_decoder_every_op_runs_where_the_plan_put_it(decoder: Compiled) -> None:
     assert _misplaced(decoder.forward) + _misplaced(decoder.backward) == []
 
 
+def test_bucket_ops_run_where_the_plan_put_them(bucketed: Compiled) -> None:
+    called = set(re.findall(r"torch\.ops\.fxckpt\.(\w+)\.default\(", bucketed.forward.code + bucketed.backward.code))
+    assert {"offload_many", "offload_many_done", "wait_many"} <= called, called
+    assert _misplaced(bucketed.forward) + _misplaced(bucketed.backward) == []
+    assert bucketed.stats["offloaded_bytes"] == bucketed.stats["prefetched_bytes"] > 0
+
+
 def test_restored_tensors_are_aligned(chain: Compiled, decoder: Compiled) -> None:
     for graph in (chain.backward, decoder.backward):
         waits = sum(o.role == "wait" for o in graph.ops)
@@ -150,7 +164,9 @@ def test_note_runs_last_and_reports_this_steps_resident_bytes(decoder: Compiled)
     assert decoder.stats["planned_kept_bytes"] == decoder.resident_measured
 
 
-def test_ops_split_cuda_graphs_and_nothing_else_does(chain: Compiled, decoder: Compiled) -> None:
+def test_ops_split_cuda_graphs_and_nothing_else_does(
+    chain: Compiled, decoder: Compiled, bucketed: Compiled
+) -> None:
     # What Inductor's graph partitioning asks of each node (torch 2.11 and 2.13): fxckpt's ops
     # run between captured regions, all compute (the pinned nodes too) inside them.
     from torch._inductor.utils import (
@@ -158,7 +174,8 @@ def test_ops_split_cuda_graphs_and_nothing_else_does(chain: Compiled, decoder: C
         is_cudagraph_unsafe_fx_node,
     )
 
-    for graph in (chain.forward, chain.backward, decoder.forward, decoder.backward):
+    graphs = (chain, decoder, bucketed)
+    for graph in (g for c in graphs for g in (c.forward, c.backward)):
         assert graph.gm is not None
         nodes = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
         unsafe = {n.name for n in nodes if is_cudagraph_unsafe_fx_node(n)}

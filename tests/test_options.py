@@ -49,6 +49,7 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
         -1, None, True, 1.5, NAN, INF, -1.0, "12 GiBs", "12 XB", "1MB/s", "big", "1.5B", [],
     ]),
     *(({}, "prefetch", v) for v in ["early", "JIT", None, 0]),
+    *(({}, "coalesce", v) for v in ["always", "Never", None, True]),
     *(({}, "copy_streams", v) for v in [0, -1, 33, True, 1.0, "2", None, NAN]),
     *(({}, "pinned_pool_bytes", v) for v in [-1, True, NAN, INF, 0.5, "12 XB", "12 GiBs", []]),
     ({"host_budget": 4096}, "pinned_pool_bytes", 8192),  # an alias that says otherwise
@@ -216,7 +217,7 @@ def test_defaults() -> None:
     o = Options()
     assert o.to_dict() == {
         "memory_budget": None, "segment_stride": 0, "segment_width": 0, "offload": "auto",
-        "min_offload_bytes": 0, "prefetch": "auto", "copy_streams": 1,
+        "min_offload_bytes": 0, "prefetch": "auto", "coalesce": "auto", "copy_streams": 1,
         "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
         "bandwidth": None, "cost_model": "flops",
         "compiler": "inductor", "on_infeasible": "raise", "blocks": None, "block_index": None,
@@ -232,6 +233,7 @@ def test_segment_width_defaults_to_stride(stride: int, width: int | None, expect
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [("offload", "never", "never"), ("offload", "all", "all"), ("prefetch", "jit", "jit"),
+     ("coalesce", "never", "never"),
      ("cost_model", "profile", "profile"), ("cost_model", "unit", "unit"),
      ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
      ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
@@ -322,7 +324,7 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 def test_option_names() -> None:
     fields = tuple(f.name for f in dataclasses.fields(Options))
     assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
-    assert len(fields) == 16
+    assert len(fields) == 17
 
 
 @pytest.mark.parametrize(

@@ -60,12 +60,14 @@ def _clean_runtime():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> None:
+# Unit costs price no per-copy overhead: one transfer per tensor. Flops costs do: copy buckets.
+@pytest.mark.parametrize("cost_model", ["unit", "flops"])
+def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat(cost_model: str) -> None:
     torch.manual_seed(0)
     model = GPT(vocab=16, d=8, heads=2, n_layers=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     backend = fxckpt.backend(
-        compiler="eager", offload="all", min_offload_bytes=0, cost_model="unit", copy_streams=2
+        compiler="eager", offload="all", min_offload_bytes=0, cost_model=cost_model, copy_streams=2
     )
     compiled = torch.compile(model, backend=backend)
     batches = [gpt_inputs(vocab=16, seq=8, seed=s) for s in range(4)]
@@ -93,6 +95,12 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat() -> No
     warm_workers = _fxckpt_threads()
     warm_pool = pool.get_pool("cpu").usage()
     assert warm["offload_calls"] > 0 and warm["pool_bytes"] > 0
+    # Two hand-offs per transfer; with buckets, fewer transfers than saved tensors.
+    assert warm["copy_handoffs"] == 2 * warm["offload_calls"]
+    saved = len(fxckpt.last_plans()[0].activations)
+    per_step = warm["offload_calls"] // (WARMUP + 1)
+    if cost_model == "flops":
+        assert 0 < per_step < saved, (per_step, saved)
 
     rss = []
     for _ in range((STEPS - WARMUP) // 100):

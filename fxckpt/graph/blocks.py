@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 # The root a dynamo path starts from: L['self'], L['mod'], or L['args'][0] for a model
 # passed positionally, with any ._modules['x'] / [i] steps written in either form.
 _DYNAMO_ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\]|\['[^']*'\])*")
-_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+# A module reached through ``__dict__`` (dynamo writes ``.__dict__['_modules']['x']`` for the
+# children of a module held by a wrapper, e.g. a diffusers model inside a loss module).
+_MODULES_ITEM = re.compile(r"\.(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
 # An item of a ModuleList / Sequential: "layers.3". The dot is required: an attribute named
 # like "fc1" is not the second item of a container "fc".

@@ -165,9 +165,12 @@ def _bandwidth(device: str) -> float:
 
     if device.startswith("cuda"):
         return _cuda_bandwidth(torch.device(device))
-    src = torch.empty(_COPY_BYTES, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
+    # Both buffers written before timing: an untouched torch.empty maps every page of the
+    # source to the kernel's one shared zero page, and copying from it reads the cache, not
+    # memory (it measured ~900 GB/s).
+    src = torch.full((_COPY_BYTES,), 7, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -220,7 +223,8 @@ def measure_bandwidth(device: Any) -> float:
     """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
 
     CUDA: a page-locked 64 MiB host buffer copied H2D then D2H three times each on the
-    device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of three 64 MiB ``copy_`` calls (a memcpy rate). Meta (offline
+    device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of
+    three 64 MiB ``copy_`` calls between buffers written beforehand (a memcpy rate). Meta (offline
     planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link.
     """
     name = device if isinstance(device, str) else str(device)

@@ -8,7 +8,15 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
-from fxckpt.graph.memory import Problem, done_position, issue_position, residency, simulate
+from fxckpt.graph.memory import (
+    OFFLOAD_PRICE_MS_PER_BYTE,
+    Problem,
+    bucket_schedule,
+    done_position,
+    issue_position,
+    residency,
+    simulate,
+)
 
 _NEG = -(1 << 62)
 
@@ -104,54 +112,80 @@ class _ChainTree:
 class IncrementalSim:
     """Exact residency and cost of a configuration that changes one candidate at a time.
 
-    Agrees with :func:`simulate`: copy chains use the same recurrences. A stored D2H end is
+    Agrees with :func:`simulate`: copy chains use the same recurrences, one chain entry per
+    bucket with an offloaded member (its copy time the sum of theirs). A stored D2H end is
     trusted only while ``done < F-1``, and a stored H2D start only while ``issue > F``. Past
     those clamps nothing later in the chain can change position.
     """
 
     def __init__(self, problem: Problem, prefetch: str, choices: list[str]) -> None:
         c, self.pb, self.jit = problem.candidates, problem, prefetch == "jit"
-        n, S = len(c), problem.prefix_ms()
+        bk = self.bk = problem.buckets
+        n, m, S = len(c), len(bk.members), problem.prefix_ms()
         self.S, self.F, self.SF = S, problem.timeline.num_forward, S[problem.timeline.num_forward]
+        self.overhead = problem.timeline.copy_overhead_ms
         self.d = [problem.copy_ms(i) for i in range(n)]
-        self.a = [S[p + 1] for p in c.produced]
+        self.a = [S[r + 1] for r in bk.ready]  # per bucket: when its copy may start
+        self.dg = [0.0] * m  # per bucket: copy ms of its offloaded members
+        self.cnt = [0] * m  # per bucket: offloaded members
         self.mode = list(choices)
         sim = simulate(problem, choices, prefetch=prefetch)  # type: ignore[arg-type]
         self.tree = _MaxTree(sim.resident)
-        self.done, self.ip = list(sim.d2h_done), list(sim.prefetch_issue)
-        self.end, self.st = [0.0] * n, [0.0] * n
-        self.res = [residency(problem, i, ch, self.done[i], self.ip[i])
+        done, issue, _ = bucket_schedule(problem, S, [i for i in range(n) if choices[i] == "offload"],
+                                         prefetch)
+        self.done, self.ip = [-1] * m, [-1] * m
+        for g, v in done.items():
+            self.done[g] = v
+        for g, v in issue.items():
+            self.ip[g] = v
+        self.end, self.st = [0.0] * m, [0.0] * m
+        self.res = [residency(problem, i, ch, *self._positions(i))
                     for i, ch in enumerate(choices)]
-        self.dm: list[tuple[int, int]] = []  # D2H chain: (produced, i)
-        self.hm: list[tuple[int, int]] = []  # H2D chain: (first_bw_use, i)
-        order = sorted(range(n), key=lambda i: (c.produced[i], i))
-        self.dslot = {i: k for k, i in enumerate(order)}
-        order = sorted(range(n), key=lambda i: (c.first_bw_use[i], i), reverse=True)
-        self.hslot = {i: k for k, i in enumerate(order)}
-        self.dtree, self.htree = _ChainTree(n), _ChainTree(n)
+        self.dm: list[tuple[int, int]] = []  # D2H chain: (ready, bucket)
+        self.hm: list[tuple[int, int]] = []  # H2D chain: (need, bucket)
+        order = sorted(range(m), key=lambda g: (bk.ready[g], g))
+        self.dslot = {g: k for k, g in enumerate(order)}
+        order = sorted(range(m), key=lambda g: (bk.need[g], g), reverse=True)
+        self.hslot = {g: k for k, g in enumerate(order)}
+        self.dtree, self.htree = _ChainTree(m), _ChainTree(m)
         self.rec = sum(c.recompute_ms[i] for i in range(n) if choices[i] == "recompute")
         self.price = self.jit_ms = 0.0
         for i in (i for i in range(n) if choices[i] == "offload"):
-            self._chains(i, True)
+            self._join_chain(i, True)
         e, s = -math.inf, math.inf  # fresh chain times, as simulate computes them
-        for _, i in self.dm:
-            e = self.end[i] = max(self.a[i], e) + self.d[i]
-        for b, i in reversed(self.hm):
-            s = self.st[i] = min(S[b], s) - self.d[i]
+        for _, g in self.dm:
+            e = self.end[g] = max(self.a[g], e) + self.dg[g]
+        for _, g in reversed(self.hm):
+            s = self.st[g] = min(S[bk.need[g]], s) - self.dg[g]
 
-    def _chains(self, i: int, on: bool) -> None:
-        c = self.pb.candidates
-        for chain, key in ((self.dm, (c.produced[i], i)), (self.hm, (c.first_bw_use[i], i))):
-            if not (self.jit and chain is self.hm):
-                if on:
-                    insort(chain, key)
-                else:
-                    del chain[bisect_left(chain, key)]
-        self.dtree.set(self.dslot[i], self.a[i], self.d[i], on)
+    def _positions(self, i: int) -> tuple[int, int]:
+        """``(join, issue)`` of candidate ``i``'s bucket as it stands (-1 where not copied)."""
+        g = self.bk.of[i]
+        if self.done[g] < 0:
+            return -1, -1
+        return max(self.done[g], self.bk.last_fw[g]), self.ip[g]
+
+    def _join_chain(self, i: int, on: bool) -> None:
+        """Count ``i`` in (``on``) or out of its bucket's copies, chains and prices."""
+        g, sign = self.bk.of[i], 1 if on else -1
+        was = self.cnt[g] > 0
+        self.cnt[g] += sign
+        self.dg[g] += sign * self.d[i]
+        if self.cnt[g] == 0:
+            self.dg[g] = 0.0  # no float residue in an idle bucket
+        now = self.cnt[g] > 0
+        if was != now:
+            for chain, key in ((self.dm, (self.bk.ready[g], g)), (self.hm, (self.bk.need[g], g))):
+                if not (self.jit and chain is self.hm):
+                    if now:
+                        insort(chain, key)
+                    else:
+                        del chain[bisect_left(chain, key)]
+            self.price += sign * self.overhead
+        self.dtree.set(self.dslot[g], self.a[g], self.dg[g], now)
         if not self.jit:
-            self.htree.set(self.hslot[i], -self.S[c.first_bw_use[i]], self.d[i], on)
-        sign = 1 if on else -1
-        self.price += sign * self.pb.offload_fixed_ms(i)
+            self.htree.set(self.hslot[g], -self.S[self.bk.need[g]], self.dg[g], now)
+        self.price += sign * OFFLOAD_PRICE_MS_PER_BYTE * self.pb.candidates.bytes[i]
         self.jit_ms += sign * self.d[i] if self.jit else 0.0
 
     @property
@@ -177,40 +211,59 @@ class IncrementalSim:
             run, start = run + ev[pos], pos
         self.res[i] = new
 
-    def _refresh(self, j: int) -> None:
-        self._move(j, residency(self.pb, j, "offload", self.done[j], self.ip[j]))
+    def _refresh(self, g: int) -> None:
+        """Bucket ``g``'s positions moved: move each of its offloaded members with them."""
+        for j in self.bk.members[g]:
+            if self.mode[j] == "offload":
+                self._move(j, residency(self.pb, j, "offload", *self._positions(j)))
 
-    def own(self, x: int) -> tuple[float | None, int, float | None, int]:
-        """``(end, done, start, issue)`` of ``x`` if offloaded now (None: past a clamp).
-
-        Only copies ahead of ``x`` in each FIFO decide its own timing, and they don't move.
-        """
-        c, S, F = self.pb.candidates, self.S, self.F
-        p, b, d = c.produced[x], c.first_bw_use[x], self.d[x]
-        k = bisect_left(self.dm, (p, x))
-        j = self.dm[k - 1][1] if k else -1
-        prev_end = self.end[j] if j >= 0 else -math.inf
-        e = None if j >= 0 and self.done[j] == F - 1 else max(self.a[x], prev_end) + d
+    def _own(self, x: int) -> tuple[float | None, int, float | None, int]:
+        """``(end, done, start, issue)`` of ``x``'s bucket were ``x`` offloaded now (None:
+        past a clamp). Only copies ahead of the bucket in each FIFO decide its timing."""
+        bk, S, F = self.bk, self.S, self.F
+        g, d = bk.of[x], self.d[x]
+        p, b = bk.ready[g], bk.need[g]
+        if self.cnt[g]:  # the bucket already copies: it grows by x's bytes
+            e = None if self.done[g] == F - 1 else self.end[g] + d
+        else:
+            k = bisect_left(self.dm, (p, g))
+            j = self.dm[k - 1][1] if k else -1
+            prev_end = self.end[j] if j >= 0 else -math.inf
+            e = None if j >= 0 and self.done[j] == F - 1 else max(self.a[g], prev_end) + d
         done = F - 1 if e is None else done_position(S, F, p, e)
         if self.jit:
             return e, done, None, b
-        k = bisect_left(self.hm, (b, x))
-        j = self.hm[k][1] if k < len(self.hm) else -1
-        next_start = self.st[j] if j >= 0 else math.inf
-        s = None if j >= 0 and self.ip[j] == F else min(S[b], next_start) - d
+        if self.cnt[g]:
+            s = None if self.ip[g] == F else self.st[g] - d
+        else:
+            k = bisect_left(self.hm, (b, g))
+            j = self.hm[k][1] if k < len(self.hm) else -1
+            next_start = self.st[j] if j >= 0 else math.inf
+            s = None if j >= 0 and self.ip[j] == F else min(S[b], next_start) - d
         return e, done, s, F if s is None else issue_position(S, F, b, s)
+
+    def own(self, x: int) -> tuple[float | None, int, float | None, int]:
+        """``(end, join, start, issue)`` of ``x`` if offloaded now (None: past a clamp); the
+        join is where the forward would wait for its bucket's copy."""
+        e, done, s, issue = self._own(x)
+        return e, max(done, self.bk.last_fw[self.bk.of[x]]), s, issue
 
     def delta_offload(self, x: int, on: bool) -> float:
         """Exact change of cost if ``x`` joins (``on``) or leaves the copy chains."""
-        sign, c, d = (1 if on else -1), self.pb.candidates, self.d[x]
-        d2h = self.dtree.root_if(self.dslot[x], self.a[x], d, on)
+        sign, g = (1 if on else -1), self.bk.of[x]
+        dg = self.dg[g] + sign * self.d[x]
+        active = self.cnt[g] + sign > 0
+        dg = dg if active else 0.0
+        d2h = self.dtree.root_if(self.dslot[g], self.a[g], dg, active)
         if self.jit:
-            h2d = self.jit_ms + sign * d
+            h2d = self.jit_ms + sign * self.d[x]
         else:
-            neg_start = self.htree.root_if(self.hslot[x], -self.S[c.first_bw_use[x]], d, on)
+            neg_start = self.htree.root_if(self.hslot[g], -self.S[self.bk.need[g]], dg, active)
             h2d = max(0.0, self.SF + neg_start)
-        after = (self.rec + self.price + sign * self.pb.offload_fixed_ms(x)
-                 + max(0.0, d2h - self.SF) + h2d)
+        opened = (self.cnt[g] == 0) if on else (self.cnt[g] == 1)
+        price = sign * (OFFLOAD_PRICE_MS_PER_BYTE * self.pb.candidates.bytes[x]
+                        + (self.overhead if opened else 0.0))
+        after = self.rec + self.price + price + max(0.0, d2h - self.SF) + h2d
         return after - self.cost
 
     def set_recompute(self, i: int) -> None:
@@ -221,56 +274,65 @@ class IncrementalSim:
         self._move(i, residency(self.pb, i, "recompute"))
 
     def set_offload(self, x: int) -> None:
-        c = self.pb.candidates
-        e, self.done[x], s, self.ip[x] = self.own(x)
-        self._chains(x, True)
+        bk = self.bk
+        g = bk.of[x]
+        e, done, s, ip = self._own(x)
+        self._join_chain(x, True)
         self.mode[x] = "offload"
-        self._refresh(x)
+        self.done[g], self.ip[g] = done, ip
+        self._refresh(g)
         if e is not None:  # later D2H copies slip
-            self.end[x] = e
-            self._walk_d2h(bisect_left(self.dm, (c.produced[x], x)) + 1, e)
+            self.end[g] = e
+            self._walk_d2h(bisect_left(self.dm, (bk.ready[g], g)) + 1, e)
         if s is not None:  # earlier prefetches move earlier
-            self.st[x] = s
-            self._walk_h2d(bisect_left(self.hm, (c.first_bw_use[x], x)) - 1, s)
+            self.st[g] = s
+            self._walk_h2d(bisect_left(self.hm, (bk.need[g], g)) - 1, s)
 
     def _unoffload(self, x: int) -> None:
-        c, F = self.pb.candidates, self.F
-        kd = bisect_left(self.dm, (c.produced[x], x))
-        kh = bisect_left(self.hm, (c.first_bw_use[x], x))
-        self._chains(x, False)
+        bk, F = self.bk, self.F
+        g = bk.of[x]
+        kd = bisect_left(self.dm, (bk.ready[g], g))
+        kh = bisect_left(self.hm, (bk.need[g], g))
+        self._join_chain(x, False)
+        self.mode[x] = "keep"  # out of its bucket's members until the caller sets it
+        if self.cnt[g] == 0:
+            self.done[g] = self.ip[g] = -1
+        # Redo the chains from the bucket's place: itself (smaller now) or the next one.
         j = self.dm[kd - 1][1] if kd else -1
         if j < 0 or self.done[j] < F - 1:
             self._walk_d2h(kd, self.end[j] if j >= 0 else -math.inf)
-        j = self.hm[kh][1] if kh < len(self.hm) else -1
-        if not self.jit and (j < 0 or self.ip[j] > F):
-            self._walk_h2d(kh - 1, self.st[j] if j >= 0 else math.inf)
+        if not self.jit:
+            nxt = kh + 1 if self.cnt[g] else kh
+            j = self.hm[nxt][1] if nxt < len(self.hm) else -1
+            if j < 0 or self.ip[j] > F:
+                self._walk_h2d(nxt - 1, self.st[j] if j >= 0 else math.inf)
 
     def _walk_d2h(self, k: int, e: float) -> None:
         """Redo D2H ends from chain index ``k`` on (``e``: the end before it) until settled."""
-        c, S, F = self.pb.candidates, self.S, self.F
+        S, F, ready = self.S, self.F, self.bk.ready
         for idx in range(k, len(self.dm)):
-            j = self.dm[idx][1]
-            e, old = max(self.a[j], e) + self.d[j], self.done[j]
-            if old < F - 1 and e == self.end[j]:
+            g = self.dm[idx][1]
+            e, old = max(self.a[g], e) + self.dg[g], self.done[g]
+            if old < F - 1 and e == self.end[g]:
                 return  # absorbed by an idle gap: nothing later moves
-            self.end[j], new = e, done_position(S, F, c.produced[j], e)
+            self.end[g], new = e, done_position(S, F, ready[g], e)
             if new != old:
-                self.done[j] = new
-                self._refresh(j)
+                self.done[g] = new
+                self._refresh(g)
             if old == new == F - 1:
                 return  # past the end of the forward: later copies stay clamped
 
     def _walk_h2d(self, k: int, s: float) -> None:
         """Redo H2D starts from chain index ``k`` down (``s``: the start after it) until settled."""
-        c, S, F = self.pb.candidates, self.S, self.F
+        S, F, need = self.S, self.F, self.bk.need
         for idx in range(k, -1, -1):
-            j = self.hm[idx][1]
-            s, old = min(S[c.first_bw_use[j]], s) - self.d[j], self.ip[j]
-            if old > F and s == self.st[j]:
+            g = self.hm[idx][1]
+            s, old = min(S[need[g]], s) - self.dg[g], self.ip[g]
+            if old > F and s == self.st[g]:
                 return
-            self.st[j], new = s, issue_position(S, F, c.first_bw_use[j], s)
+            self.st[g], new = s, issue_position(S, F, need[g], s)
             if new != old:
-                self.ip[j] = new
-                self._refresh(j)
+                self.ip[g] = new
+                self._refresh(g)
             if old == new == F:
                 return  # before the backward starts: earlier prefetches stay at F

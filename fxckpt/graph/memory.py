@@ -24,9 +24,21 @@ order) but never before the backward starts, ``S[F]``; what would have to start 
 exposed, and ``prefetch_issue`` is the position whose node is running when the copy must
 start. With ``prefetch="jit"`` every prefetch is issued at ``first_bw_use`` and fully exposed.
 Both exposed totals are max-plus expressions of the offloaded set, so adding an offload never
-lowers them. Each offload also pays ``Timeline.copy_overhead_ms``: the compute thread's own
+lowers them. Each copy also pays ``Timeline.copy_overhead_ms``: the compute thread's own
 time to issue its four runtime ops and hand its two copies to the engine, which no compute
 hides.
+
+**Buckets.** Candidates that share a ``Candidates.bucket`` id are copied together: one copy
+each way, one overhead, one join. The copies above then run per bucket, over the bytes of its
+offloaded members: the D2H copy starts once every member exists (``ready``, the latest
+``produced`` of the bucket), the forward joins it at ``d2h_done`` but not before the bucket's
+last forward use (``last_fw``: the join keeps every member's source alive), and the H2D copy
+must land before the bucket's earliest backward use (``need``). Each offloaded member is then
+resident ``[last_fw_use + 1, join]`` and ``[prefetch_issue, last_bw_use]`` (it is restored into
+a buffer of its own, freed at its own last use). ``ready``, ``last_fw`` and ``need`` are taken
+over every candidate of the bucket, offloaded or not, so a bucket's timing never depends on
+which of its members the plan offloads; the runtime places the bucket's ops at exactly these
+positions. The overhead is paid once per bucket with an offloaded member.
 
 :mod:`fxckpt.graph.incremental` is the solver's incremental twin of :func:`simulate`;
 :mod:`fxckpt.graph.liveness` counts every tensor of a graph, not only the saved ones.
@@ -34,9 +46,10 @@ hides.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
@@ -76,6 +89,7 @@ class Candidates:
     recompute_ms: Sequence[float]  # math.inf: cannot be recomputed (RNG ops, graph inputs)
     can_offload: Sequence[bool]
     forced: Sequence[str | None] | None = None  # None | "keep" | "recompute" | "offload"
+    bucket: Sequence[int] | None = None  # copied together where ids are equal; None: alone
 
     def __len__(self) -> int:
         return len(self.bytes)
@@ -118,8 +132,8 @@ class Problem:
         if not (tl.copy_overhead_ms >= 0 and math.isfinite(tl.copy_overhead_ms)):
             raise ValueError("copy_overhead_ms must be finite and >= 0")
         fields = (c.produced, c.last_fw_use, c.first_bw_use, c.last_bw_use, c.recompute_ms)
-        if any(len(f) != n for f in (*fields, c.can_offload)) or (
-            c.forced is not None and len(c.forced) != n
+        if any(len(f) != n for f in (*fields, c.can_offload)) or any(
+            opt is not None and len(opt) != n for opt in (c.forced, c.bucket)
         ):
             raise ValueError("every Candidates list needs one entry per candidate")
         for i in range(n):
@@ -142,13 +156,56 @@ class Problem:
         """``S``: ``S[t]`` is when node ``t`` starts; ``S[T]`` is the end of the step."""
         return [0.0, *accumulate(float(s) for s in self.timeline.step_ms)]
 
+    @functools.cached_property
+    def buckets(self) -> Buckets:
+        """The copy buckets: one per candidate unless ``Candidates.bucket`` groups them."""
+        return Buckets.of_candidates(self.candidates)
+
     def copy_ms(self, i: int) -> float:
         return self.candidates.bytes[i] / self.timeline.bandwidth_bytes_per_ms
 
     def offload_fixed_ms(self, i: int) -> float:
-        """What offloading ``i`` costs besides exposed copy time: the per-copy overhead and
-        the small per-byte price that keeps free offloads from being taken when keeping fits."""
-        return self.timeline.copy_overhead_ms + OFFLOAD_PRICE_MS_PER_BYTE * self.candidates.bytes[i]
+        """What offloading ``i`` costs besides exposed copy time, as a lower bound: its share
+        of its bucket's per-copy overhead (the whole overhead when it is copied alone; exact
+        when the whole bucket is offloaded) and the small per-byte price that keeps free
+        offloads from being taken when keeping fits."""
+        share = self.timeline.copy_overhead_ms / len(self.buckets.members[self.buckets.of[i]])
+        return share + OFFLOAD_PRICE_MS_PER_BYTE * self.candidates.bytes[i]
+
+    def offload_fixed_total(self, offloaded: Iterable[int]) -> float:
+        """The exact fixed cost of offloading ``offloaded``: one overhead per bucket copied,
+        and the per-byte price of each tensor."""
+        of, chosen = self.buckets.of, list(offloaded)
+        nbytes = sum(self.candidates.bytes[i] for i in chosen)
+        return (self.timeline.copy_overhead_ms * len({of[i] for i in chosen})
+                + OFFLOAD_PRICE_MS_PER_BYTE * nbytes)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Candidates grouped into copy buckets, and each bucket's fixed positions."""
+
+    of: list[int]  # candidate -> bucket index
+    members: list[list[int]]  # bucket -> its candidates, in index order
+    ready: list[int]  # the bucket's D2H copy starts after this forward position
+    last_fw: list[int]  # the forward joins the copy no earlier than this position
+    need: list[int]  # the H2D copy lands before this backward position
+
+    @staticmethod
+    def of_candidates(c: Candidates) -> Buckets:
+        ids = list(c.bucket) if c.bucket is not None else list(range(len(c)))
+        index: dict[int, int] = {}
+        of = [index.setdefault(g, len(index)) for g in ids]
+        members: list[list[int]] = [[] for _ in index]
+        for i, g in enumerate(of):
+            members[g].append(i)
+        return Buckets(
+            of=of,
+            members=members,
+            ready=[max(c.produced[i] for i in m) for m in members],
+            last_fw=[max(c.last_fw_use[i] for i in m) for m in members],
+            need=[min(c.first_bw_use[i] for i in m) for m in members],
+        )
 
 
 @dataclass(frozen=True)
@@ -174,27 +231,31 @@ def issue_position(S: Sequence[float], F: int, first_bw_use: int, start: float) 
 
 
 def hide_ms(problem: Problem, S: Sequence[float], i: int, prefetch: str) -> float:
-    """Compute time that can cover candidate ``i``'s two copies."""
-    c, F = problem.candidates, problem.timeline.num_forward
-    d2h = S[F] - S[c.produced[i] + 1]
-    return d2h + (S[c.first_bw_use[i]] - S[F] if prefetch == "auto" else 0.0)
+    """Compute time that can cover candidate ``i``'s two copies (its bucket's windows)."""
+    bk, F = problem.buckets, problem.timeline.num_forward
+    g = bk.of[i]
+    d2h = S[F] - S[bk.ready[g] + 1]
+    return d2h + (S[bk.need[g]] - S[F] if prefetch == "auto" else 0.0)
 
 
 def isolated_offload(problem: Problem, S: Sequence[float], i: int, prefetch: str
                      ) -> tuple[int, int, float]:
-    """``(d2h_done, prefetch_issue, exposed_ms)`` of offloading ``i`` with no other copies.
+    """``(d2h_done, prefetch_issue, exposed_ms)`` of offloading ``i`` with no other copies
+    (alone in its bucket; ``d2h_done`` is where the forward joins the copy).
 
     Every other offload only delays ``d2h_done``, moves ``prefetch_issue`` earlier and adds
     exposure, so these are the most favourable figures ``i`` can get.
     """
-    c, F = problem.candidates, problem.timeline.num_forward
-    d, p, b = problem.copy_ms(i), c.produced[i], c.first_bw_use[i]
+    bk, F = problem.buckets, problem.timeline.num_forward
+    g = bk.of[i]
+    d, p, b = problem.copy_ms(i), bk.ready[g], bk.need[g]
     end = S[p + 1] + d
     exposed = max(0.0, end - max(S[p + 1], S[F]))
+    joined = max(done_position(S, F, p, end), bk.last_fw[g])
     if prefetch == "jit":
-        return done_position(S, F, p, end), b, exposed + d
+        return joined, b, exposed + d
     start = S[b] - d
-    return (done_position(S, F, p, end), issue_position(S, F, b, start),
+    return (joined, issue_position(S, F, b, start),
             exposed + max(0.0, min(S[F], start + d) - start))
 
 
@@ -211,30 +272,56 @@ def residency(problem: Problem, i: int, choice: str, done: int = -1, issue: int 
     return [*copying, (issue, c.last_bw_use[i])]
 
 
-def offload_schedule(problem: Problem, S: Sequence[float], offloaded: Sequence[int],
-                     prefetch: str) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
-    """``d2h_done``, ``prefetch_issue`` and exposed ms of each offloaded candidate."""
-    c, F = problem.candidates, problem.timeline.num_forward
+def bucket_schedule(problem: Problem, S: Sequence[float], offloaded: Sequence[int],
+                    prefetch: str) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
+    """Per bucket with an offloaded member: the position of its D2H copy's end (``done``,
+    before the join's ``last_fw`` floor), its H2D issue position, and its exposed ms."""
+    bk, F = problem.buckets, problem.timeline.num_forward
+    d: dict[int, float] = {}
+    for i in offloaded:
+        d[bk.of[i]] = d.get(bk.of[i], 0.0) + problem.copy_ms(i)
     done: dict[int, int] = {}
     issue: dict[int, int] = {}
-    exposed = dict.fromkeys(offloaded, 0.0)
+    exposed = dict.fromkeys(d, 0.0)
     end = -math.inf
-    for i in sorted(offloaded, key=lambda j: (c.produced[j], j)):
-        a = S[c.produced[i] + 1]
-        start = max(a, end)
-        end = start + problem.copy_ms(i)
-        done[i] = done_position(S, F, c.produced[i], end)
-        exposed[i] += max(0.0, end - max(start, S[F]))
+    for g in sorted(d, key=lambda h: (bk.ready[h], h)):
+        start = max(S[bk.ready[g] + 1], end)
+        end = start + d[g]
+        done[g] = done_position(S, F, bk.ready[g], end)
+        exposed[g] += max(0.0, end - max(start, S[F]))
     start = math.inf
-    for i in sorted(offloaded, key=lambda j: (c.first_bw_use[j], j), reverse=True):
-        d, b = problem.copy_ms(i), c.first_bw_use[i]
+    for g in sorted(d, key=lambda h: (bk.need[h], h), reverse=True):
+        b = bk.need[g]
         if prefetch == "jit":
-            issue[i], exposed[i] = b, exposed[i] + d
+            issue[g], exposed[g] = b, exposed[g] + d[g]
             continue
-        start = min(S[b], start) - d
-        issue[i] = issue_position(S, F, b, start)
-        exposed[i] += max(0.0, min(S[F], start + d) - start)
+        start = min(S[b], start) - d[g]
+        issue[g] = issue_position(S, F, b, start)
+        exposed[g] += max(0.0, min(S[F], start + d[g]) - start)
     return done, issue, exposed
+
+
+def offload_schedule(problem: Problem, S: Sequence[float], offloaded: Sequence[int],
+                     prefetch: str) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
+    """``d2h_done`` (the join), ``prefetch_issue`` and exposed ms of each offloaded candidate;
+    a bucket's exposure is shared among its offloaded members by their copy time."""
+    bk = problem.buckets
+    done, issue, exposed = bucket_schedule(problem, S, offloaded, prefetch)
+    share: dict[int, float] = {}
+    for i in offloaded:
+        share[bk.of[i]] = share.get(bk.of[i], 0.0) + problem.copy_ms(i)
+    out_done, out_issue, out_exp = {}, {}, {}
+    for i in offloaded:
+        g = bk.of[i]
+        out_done[i] = max(done[g], bk.last_fw[g])
+        out_issue[i] = issue[g]
+        part = problem.copy_ms(i) / share[g] if share[g] > 0 else 1.0 / _count(bk, g, offloaded)
+        out_exp[i] = exposed[g] * part
+    return out_done, out_issue, out_exp
+
+
+def _count(bk: Buckets, g: int, offloaded: Sequence[int]) -> int:
+    return sum(1 for i in offloaded if bk.of[i] == g)
 
 
 def simulate(problem: Problem, choices: Sequence[str], *, prefetch: Prefetch = "auto"
@@ -258,8 +345,7 @@ def simulate(problem: Problem, choices: Sequence[str], *, prefetch: Prefetch = "
             diff[hi + 1] -= c.bytes[i]
         if ch == "recompute":
             cost += c.recompute_ms[i]
-        elif ch == "offload":
-            cost += exp[i] + problem.offload_fixed_ms(i)
+    cost += sum(exp.values()) + problem.offload_fixed_total(offloaded)
     fixed = tl.fixed_resident if tl.fixed_resident is not None else [0] * T
     resident = [f + r for f, r in zip(fixed, accumulate(diff[:T]), strict=True)]
     peak = max(resident, default=0)

@@ -7,7 +7,7 @@ together, since evicting one view of a storage another view keeps frees nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +127,34 @@ def build_problem(
     )
     assert T == timeline.num_positions
     return Problem(timeline, candidates), flops
+
+
+def copy_buckets(
+    storages: Sequence[Storage], fw: fx.GraphModule, block_of: Callable[[fx.Node], int | None],
+    can_offload: Sequence[bool],
+) -> list[int]:
+    """A bucket id per storage: offloadable storages of one dtype produced in one block whose
+    forward uses end in one block share an id (they are copied together, so each is held
+    until the bucket's last forward use); every other storage has an id of its own.
+
+    Grouping by the block of the last forward use keeps a block's output, which the next
+    block reads, out of its producer block's bucket: in it, every member would stay on the
+    device until the next block ends.
+    """
+    nodes = list(fw.graph.nodes)
+    keys: dict[tuple, int] = {}
+    out = []
+    for i, s in enumerate(storages):
+        blocks = {a.block for a in s.members}
+        dtypes = {a.dtype for a in s.members}
+        block = blocks.pop() if len(blocks) == 1 else None
+        if not can_offload[i] or block is None or len(dtypes) != 1:
+            out.append(-1 - i)  # alone
+            continue
+        last = nodes[max(a.last_fw_use for a in s.members)]
+        key = (block, block_of(last), dtypes.pop())
+        out.append(keys.setdefault(key, len(keys)))
+    return out
 
 
 def _size(n: float) -> str:

@@ -28,6 +28,9 @@ OFFLOAD_DONE = torch.ops.fxckpt.offload_done.default
 PREFETCH = torch.ops.fxckpt.prefetch.default
 WAIT = torch.ops.fxckpt.wait.default
 NOTE_SAVED = torch.ops.fxckpt.note_saved.default
+OFFLOAD_MANY = torch.ops.fxckpt.offload_many.default
+OFFLOAD_MANY_DONE = torch.ops.fxckpt.offload_many_done.default
+WAIT_MANY = torch.ops.fxckpt.wait_many.default
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,19 @@ class Placement:
     offload_after: str | None = None
     wait_before: str | None = None
     tier: int = 0  # the offload op's tier argument: 1 sends the tensor on to the disk tier
+
+
+@dataclass(frozen=True)
+class BucketPlacement:
+    """Where the ops for one copy bucket go: one offload after ``offload_after`` (every
+    member exists there), one join after ``done_after``, one prefetch before
+    ``prefetch_before`` and one wait, restoring every member, before ``wait_before``."""
+
+    names: tuple[str, ...]  # the members, in production order
+    offload_after: str
+    done_after: str
+    prefetch_before: str
+    wait_before: str
 
 
 def _handle_val(like: torch.Tensor) -> torch.Tensor:
@@ -146,71 +162,143 @@ def _sizes(graph: fx.Graph, dims: Sequence[Any], table: dict[sympy.Expr, fx.Node
 
 
 def insert_offloads(
-    fw: fx.GraphModule, bw: fx.GraphModule, placements: Sequence[Placement]
+    fw: fx.GraphModule, bw: fx.GraphModule, placements: Sequence[Placement | BucketPlacement]
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Offload each placed saved tensor of ``fw`` and restore it in ``bw``."""
+    """Offload each placed saved tensor (or bucket of them) of ``fw`` and restore it in ``bw``."""
     if not placements:
         return fw, bw
-    fw_nodes = {n.name: n for n in fw.graph.nodes}
-    bw_nodes = {n.name: n for n in bw.graph.nodes}
-    bw_position = {n: i for i, n in enumerate(bw.graph.nodes)}
-    sym_inputs: dict[sympy.Expr, fx.Node] = {}
-    for n in bw.graph.find_nodes(op="placeholder"):
-        if isinstance(v := n.meta.get("val"), torch.SymInt):
-            sym_inputs.setdefault(v.node.expr, n)
-    out = _output(fw)
-    outputs = list(out.args[0])  # type: ignore[arg-type]
+    g = _Graphs(fw, bw)
     for p in placements:
-        src = fw_nodes[p.name]
-        val = src.meta["val"]
-        with fw.graph.inserting_after(fw_nodes[p.offload_after or p.name]):
-            # The backward placeholder takes the same name, as for any saved tensor.
-            # The tier argument only where it is not the default, so host-tier graphs read as
-            # they always did.
-            args = (src,) if p.tier == 0 else (src, p.tier)
-            handle = fw.graph.create_node(
-                "call_function", OFFLOAD, args, name=f"{p.name}_handle"
-            )
-        handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
-        done_after = fw_nodes[p.done_after]
-        anchor = handle if done_after.name in (p.name, p.offload_after) else done_after
-        with fw.graph.inserting_after(anchor):
-            done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
-        done.meta.update(
-            {"val": _token_val(val), meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name}
-        )
-        outputs[outputs.index(src)] = handle
-
-        ph = bw_nodes[p.name]
-        with bw.graph.inserting_before(ph):
-            new_ph = bw.graph.placeholder(handle.name)
-        new_ph.meta.update({"val": handle.meta["val"], meta.SOURCE: p.name})
-        first_use = bw_nodes[p.wait_before] if p.wait_before else min(ph.users, key=bw_position.__getitem__)
-        before = bw_nodes[p.prefetch_before]
-        with bw.graph.inserting_before(before):
-            pre = bw.graph.call_function(PREFETCH, (new_ph,))
-        pre.meta.update(
-            {"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name}
-        )
-        with bw.graph.inserting_before(first_use):
-            # Symbolic sizes become nodes over the backward's SymInt inputs (placed here, so
-            # they sit after every placeholder); a fresh table per wait keeps them local.
-            table = dict(sym_inputs)
-            size = _sizes(bw.graph, val.shape, table)
-            stride = _sizes(bw.graph, val.stride(), table)
-            # wait takes prefetch's ticket, so no scheduler can put the prefetch after it.
-            restored = bw.graph.call_function(
-                WAIT, (new_ph, pre, size, stride, val.dtype, val.device)
-            )
-        restored.meta.update(dict(ph.meta))
-        restored.meta.update({meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: p.name})
-        ph.replace_all_uses_with(restored)
-        bw.graph.erase_node(ph)
-    out.args = (tuple(outputs),)
+        if isinstance(p, BucketPlacement):
+            _insert_bucket(g, p)
+        else:
+            _insert_one(g, p)
+    out = _output(fw)
+    out.args = (tuple(o for o in g.outputs if o is not None),)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
     return fw, bw
+
+
+class _Graphs:
+    """The two graphs being rewritten, with the lookups every insertion needs."""
+
+    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        self.fw, self.bw = fw, bw
+        self.fw_nodes = {n.name: n for n in fw.graph.nodes}
+        self.bw_nodes = {n.name: n for n in bw.graph.nodes}
+        self.fw_at = {n: i for i, n in enumerate(fw.graph.nodes)}
+        self.bw_at = {n: i for i, n in enumerate(bw.graph.nodes)}
+        self.sym_inputs: dict[sympy.Expr, fx.Node] = {}
+        for n in bw.graph.find_nodes(op="placeholder"):
+            if isinstance(v := n.meta.get("val"), torch.SymInt):
+                self.sym_inputs.setdefault(v.node.expr, n)
+        # The forward's outputs; a bucket's members after the first become None (dropped).
+        self.outputs: list[fx.Node | None] = list(_output(fw).args[0])  # type: ignore[arg-type]
+
+    def first_use(self, ph: fx.Node) -> fx.Node:
+        return min(ph.users, key=self.bw_at.__getitem__)
+
+    def join_anchor(self, handle: fx.Node, after: str, offload_after: str) -> fx.Node:
+        """The join goes after ``after``, but never before the offload it joins."""
+        node = self.fw_nodes[after]
+        return handle if self.fw_at[node] <= self.fw_at[self.fw_nodes[offload_after]] else node
+
+    def layout(self, val: torch.Tensor) -> tuple[list[Any], list[Any]]:
+        # Symbolic sizes become nodes over the backward's SymInt inputs (placed at the
+        # insertion point, so they sit after every placeholder); a fresh table per wait
+        # keeps them local.
+        table = dict(self.sym_inputs)
+        return _sizes(self.bw.graph, val.shape, table), _sizes(self.bw.graph, val.stride(), table)
+
+
+def _insert_one(g: _Graphs, p: Placement) -> None:
+    fw, bw = g.fw, g.bw
+    src = g.fw_nodes[p.name]
+    val = src.meta["val"]
+    with fw.graph.inserting_after(g.fw_nodes[p.offload_after or p.name]):
+        # The backward placeholder takes the same name, as for any saved tensor.
+        # The tier argument only where it is not the default, so host-tier graphs read as
+        # they always did.
+        args = (src,) if p.tier == 0 else (src, p.tier)
+        handle = fw.graph.create_node("call_function", OFFLOAD, args, name=f"{p.name}_handle")
+    handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
+    with fw.graph.inserting_after(g.join_anchor(handle, p.done_after, p.offload_after or p.name)):
+        done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
+    done.meta.update({"val": _token_val(val), meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name})
+    g.outputs[g.outputs.index(src)] = handle
+
+    ph = g.bw_nodes[p.name]
+    with bw.graph.inserting_before(ph):
+        new_ph = bw.graph.placeholder(handle.name)
+    new_ph.meta.update({"val": handle.meta["val"], meta.SOURCE: p.name})
+    first_use = g.bw_nodes[p.wait_before] if p.wait_before else g.first_use(ph)
+    with bw.graph.inserting_before(g.bw_nodes[p.prefetch_before]):
+        pre = bw.graph.call_function(PREFETCH, (new_ph,))
+    pre.meta.update({"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: p.name})
+    with bw.graph.inserting_before(first_use):
+        size, stride = g.layout(val)
+        # wait takes prefetch's ticket, so no scheduler can put the prefetch after it.
+        restored = bw.graph.call_function(WAIT, (new_ph, pre, size, stride, val.dtype, val.device))
+    restored.meta.update(dict(ph.meta))
+    restored.meta.update({meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: p.name})
+    ph.replace_all_uses_with(restored)
+    bw.graph.erase_node(ph)
+
+
+def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
+    fw, bw = g.fw, g.bw
+    srcs = [g.fw_nodes[n] for n in p.names]
+    vals = [s.meta["val"] for s in srcs]
+    source = ",".join(p.names)
+    with fw.graph.inserting_after(g.fw_nodes[p.offload_after]):
+        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,),
+                                      name=f"{p.names[0]}_bucket")
+    handle.meta.update({"val": _handle_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD,
+                        meta.SOURCE: source})  # fmt: skip
+    with fw.graph.inserting_after(g.join_anchor(handle, p.done_after, p.offload_after)):
+        # Every member is a keepalive of the join, as the one source is of offload_done.
+        done = fw.graph.call_function(OFFLOAD_MANY_DONE, (handle, srcs))
+    done.meta.update({"val": _token_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD_DONE,
+                      meta.SOURCE: source})  # fmt: skip
+    # The handle takes the saved slot of the member saved first; the others' slots go, and
+    # the backward's placeholders follow, so both keep one order.
+    slots = sorted(g.outputs.index(s) for s in srcs)
+    g.outputs[slots[0]] = handle
+    for k in slots[1:]:
+        g.outputs[k] = None
+
+    phs = [g.bw_nodes[n] for n in p.names]
+    first_ph = min(phs, key=g.bw_at.__getitem__)
+    with bw.graph.inserting_before(first_ph):
+        new_ph = bw.graph.placeholder(handle.name)
+    new_ph.meta.update({"val": handle.meta["val"], meta.SOURCE: source})
+    with bw.graph.inserting_before(g.bw_nodes[p.prefetch_before]):
+        pre = bw.graph.call_function(PREFETCH, (new_ph,))
+    pre.meta.update({"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: source})
+    with bw.graph.inserting_before(g.bw_nodes[p.wait_before]):
+        sizes: list[Any] = []
+        strides: list[Any] = []
+        for val in vals:
+            size, stride = g.layout(val)
+            sizes += size
+            strides += stride
+        ranks = [v.dim() for v in vals]
+        restored = bw.graph.call_function(
+            WAIT_MANY, (new_ph, pre, sizes, strides, ranks, vals[0].dtype, vals[0].device)
+        )
+    restored.meta.update({"val": [ph.meta["val"] for ph in phs], meta.ROLE: meta.ROLE_WAIT,
+                          meta.SOURCE: source})  # fmt: skip
+    anchor = restored
+    for k, ph in enumerate(phs):
+        with bw.graph.inserting_after(anchor):
+            item = bw.graph.call_function(operator.getitem, (restored, k))
+        item.meta.update(dict(ph.meta))
+        item.meta[meta.SOURCE] = ph.name
+        ph.replace_all_uses_with(item)
+        bw.graph.erase_node(ph)
+        anchor = item
 
 
 def insert_note(

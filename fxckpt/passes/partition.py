@@ -47,9 +47,9 @@ from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
-from fxckpt.passes.offload import Placement, insert_note, insert_offloads
+from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
-from fxckpt.passes.schedule import pin_positions, place_offloads
+from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
 from fxckpt.planning.layouts import NONE, Layout
@@ -370,12 +370,14 @@ def _is_rng_state(node: fx.Node) -> bool:
 def _placements(
     fw: fx.GraphModule, bw: fx.GraphModule, part: Partition, decision: RoundDecision | None,
     options: Options, inductor: bool,
-) -> list[Placement]:
+) -> list[Placement | BucketPlacement]:
     """Where each offloaded tensor's ops go: the simulator's copy positions, a disk tensor's
-    prefetch issued earlier by its read time, and its offload marked for the disk tier."""
+    prefetch issued earlier by its read time, its offload marked for the disk tier, and the
+    host-tier members of each copy bucket merged into one bucket's ops."""
     if decision is None:
         return []
     sim = decision.solution.sim
+    buckets = decision.problem.buckets
     index = {s.key: i for i, s in enumerate(decision.storages)}
     offloaded = [
         (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
@@ -383,8 +385,10 @@ def _placements(
         if decision.kind_of(a.storage) == "offload"
     ]
     offloaded = read_ahead(offloaded, decision.choices, decision.problem, options)
-    placed = place_offloads(fw, bw, offloaded, fused=inductor)
-    return with_tiers(placed, part.saved, decision.choices)
+    bucket_of = {a.name: buckets.of[index[a.storage]] for a, _, _ in offloaded}
+    ready = {a.name: buckets.ready[bucket_of[a.name]] for a, _, _ in offloaded}
+    placed = place_offloads(fw, bw, offloaded, fused=inductor, ready=ready)
+    return coalesce(fw, bw, with_tiers(placed, part.saved, decision.choices), bucket_of)
 
 
 def _notes(blocks: BlockFacts, stride: int) -> list[str]:

@@ -31,6 +31,7 @@ from fxckpt.passes.budget import (
     Storage,
     bandwidth_bytes_per_ms,
     build_problem,
+    copy_buckets,
     forced_offloads,
     group_by_storage,
     offload_candidates,
@@ -147,6 +148,15 @@ class RoundPlanner:
             not_recomputable=stuck,
             copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
         )
+        # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
+        # a bucket would only hold its members longer, so each tensor is copied alone. Under
+        # a host budget too: the host tiers are decided tensor by tensor, and a bucket's one
+        # pool slot (all its members, until its wait) is not what they count.
+        if (opts.coalesce == "auto" and problem.timeline.copy_overhead_ms > 0
+                and opts.host_budget is None):
+            c = problem.candidates
+            ids = copy_buckets(storages, part.fw, self.blocks.block_of, c.can_offload)
+            problem = Problem(problem.timeline, dataclasses.replace(c, bucket=ids))
         # Blocks, like single ops, only while another partition can carry them out.
         recompute = search_blocks and allow_recompute and budget is not None
         facts = block_facts(self.blocks, part.fw, storages, fw_ms) if recompute else None

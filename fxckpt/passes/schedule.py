@@ -10,7 +10,7 @@ names, so the graph runs the schedule the plan's figures describe.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -18,7 +18,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import run_after
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.passes.offload import Placement
+from fxckpt.passes.offload import BucketPlacement, Placement
 
 
 def place_offloads(
@@ -27,9 +27,13 @@ def place_offloads(
     offloaded: Sequence[tuple[SavedActivation, int, int]],
     *,
     fused: bool = False,
+    ready: Mapping[str, int] | None = None,
 ) -> list[Placement]:
     """One placement per ``(tensor, d2h_done, prefetch_issue)``; positions as in the simulator
     (forward positions first, then backward positions offset by the forward's length).
+
+    ``ready``: per tensor of a copy bucket, the forward position after which the bucket's
+    copy starts (its last member's producer), where its offload then goes.
 
     ``fused``: the graphs go to a compiler that fuses runs of pointwise ops and reductions
     into few kernels (Inductor). A position inside such a run may not exist in the generated
@@ -49,7 +53,8 @@ def place_offloads(
         done_at = min(max(done, a.last_fw_use, a.produced), last_fw)
         first_use = a.first_bw_use if a.first_bw_use >= 0 else first_bw
         pre_at = min(max(issue - num_forward, first_bw), first_use)
-        offload_at = min(fw_runs.get(a.produced, (a.produced,) * 2)[1], last_fw)
+        start = max(a.produced, ready.get(a.name, a.produced)) if ready else a.produced
+        offload_at = min(fw_runs.get(start, (start,) * 2)[1], last_fw)
         done_at = max(min(fw_runs.get(done_at, (done_at,) * 2)[1], last_fw), offload_at)
         wait_at = max(bw_runs.get(first_use, (first_use,) * 2)[0], first_bw)
         pre_at = max(min(bw_runs.get(pre_at, (pre_at,) * 2)[0], wait_at), first_bw)
@@ -63,6 +68,49 @@ def place_offloads(
             )
         )
     return placements
+
+
+def coalesce(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    placements: Sequence[Placement],
+    bucket_of: Mapping[str, int],
+) -> list[Placement | BucketPlacement]:
+    """The placements, those of each copy bucket's host-tier members merged into one.
+
+    The bucket's offload goes where its last member's would, its join where its last one
+    would, its prefetch and its wait where its first ones would (the simulator placed them
+    all so: :func:`fxckpt.graph.memory.bucket_schedule`). A member sent to the disk tier, or
+    left alone in its bucket, keeps a placement of its own at the bucket's positions.
+    """
+    fw_at = {n.name: i for i, n in enumerate(fw.graph.nodes)}
+    bw_nodes = {n.name: n for n in bw.graph.nodes}
+    bw_at = {n.name: i for i, n in enumerate(bw.graph.nodes)}
+    groups: dict[int, list[Placement]] = {}
+    out: list[Placement | BucketPlacement] = []
+    for p in placements:
+        g = bucket_of.get(p.name)
+        if g is None or p.tier != 0:
+            out.append(p)
+        else:
+            groups.setdefault(g, []).append(p)
+    for members in groups.values():
+        if len(members) == 1:
+            out.extend(members)
+            continue
+        members.sort(key=lambda p: fw_at[p.name])
+
+        def first_use(p: Placement) -> str:
+            return p.wait_before or min(bw_nodes[p.name].users, key=lambda u: bw_at[u.name]).name
+
+        out.append(BucketPlacement(
+            names=tuple(p.name for p in members),
+            offload_after=max((p.offload_after or p.name for p in members), key=fw_at.__getitem__),
+            done_after=max((p.done_after for p in members), key=fw_at.__getitem__),
+            prefetch_before=min((p.prefetch_before for p in members), key=bw_at.__getitem__),
+            wait_before=min((first_use(p) for p in members), key=bw_at.__getitem__),
+        ))  # fmt: skip
+    return out
 
 
 def _fusable_runs(nodes: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:
@@ -210,6 +258,7 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     compute = {n for n in nodes if _computes(n)}
     last: fx.Node | None = None  # the last pinned op so far
+    last_out: fx.Node | None = None  # a tensor it produces
     since: list[fx.Node] = []  # compute nodes after it, in order
     deps: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
@@ -222,14 +271,16 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
                 if not (_reach(n, "users", compute) & later)
                 or any(meta.ROLE in u.meta and u is not node for u in _reach(n, "users", compute))
             ]
-            after = [last] if last is not None and _tensor_val(last) else []
+            after = [last_out] if last_out is not None else []
             after += [out for n in sinks if (out := _output(n)) is not None]
             taken = set(node.all_input_nodes)
             _set_after(node, [a for a in after if a not in taken])
-            last, since = node, []
+            # A bucket's wait returns a list: the chain goes through its first member.
+            last, last_out, since = node, _output(node), []
         elif node in compute:
             if last is not None and not (_reach(node, "all_input_nodes", compute) & {last, *since}):
-                deps[node] = [last]  # depends only on what ran before `last`: pin it after
+                # Depends only on what ran before `last`: pin it after (through a tensor).
+                deps[node] = [last_out or last]
             since.append(node)
     if deps:
         run_after(gm.graph, deps)

@@ -40,11 +40,10 @@ def brute(problem: Problem, budget: int, prefetch: str) -> list[str]:
         if any(allowed[i] == ("offload",) for i in set(may_off) - set(chosen)):
             continue
         done, issue, exp = offload_schedule(problem, S, chosen, prefetch)
-        base, cost0 = fixed[:], sum(exp.values())
+        base, cost0 = fixed[:], sum(exp.values()) + problem.offload_fixed_total(chosen)
         for i in chosen:
             base = [x + y for x, y in zip(base, vec(residency(problem, i, "offload", done[i],
                                                               issue[i]), c.bytes[i]), strict=True)]
-            cost0 += problem.offload_fixed_ms(i)
         rest = [i for i in range(n) if i not in done]
         opts = [[ch for ch in ("keep", "recompute") if ch in allowed[i]] for i in rest]
         for combo in product(*opts):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,7 +61,8 @@ class CudaEngine:
         # Slots 0, 2, 4... copy to the host, 1, 3, 5... back: one engine per direction each.
         return _cuda.CUDA.copy_stream(self.device, 2 * (turn % n) + direction)
 
-    def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
+    def start_offload(self, rec: Transfer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
         cuda = _cuda.CUDA
         self.read_timings()
         delay, fail = _copy_plan()
@@ -75,13 +77,15 @@ class CudaEngine:
             if fail:
                 rec.error = _injected("device-to-host")
             else:
-                cuda.copy(host, span)
+                for span, host in copies:  # a bucket: its copies, then one event for them all
+                    cuda.copy(host, span)
             done.record(side)
         # The source stays referenced (rec.src) until compute has waited on `done`: freeing
         # it earlier would let the allocator hand its block to a kernel while the copy reads.
         rec.d2h = done
         rec.src_stream = compute
         self._timed["copy_seconds"].append((start, done))
+        stats.add("copy_handoffs", 1)
 
     def finish_offload(self, rec: Transfer) -> float:
         if not _config.unsafe_skip_waits:
@@ -98,13 +102,15 @@ class CudaEngine:
         self.read_timings()
         delay, fail = _copy_plan()
         compute = cuda.current_stream(self.device)
-        # Allocated on compute: the caching allocator ties the block to the stream that will
-        # read it, so freeing it after the wait is safe (pytorch#106360).
-        dev = cuda.empty(rec.span, rec.dtype, self.device)
+        # Allocated on compute: the caching allocator ties each block to the stream that will
+        # read it, so freeing it after the wait is safe (pytorch#106360). A bucket's members
+        # get a block each, so each is freed at its own last use.
+        devs = [cuda.empty(part.span, rec.dtype, self.device) for part in rec.parts]
         if _config.poison_fresh:
-            dev.view(torch.uint8).fill_(0xFF)
+            for dev in devs:
+                dev.view(torch.uint8).fill_(0xFF)
         assert rec.host is not None
-        host = rec.host[: rec.nbytes]
+        hosts = rec.host_views(rec.host)
         side = self._stream(_H2D)
         # `dev` may be a block that compute freed but queued kernels still use; the copy must
         # not start before compute reaches this point.
@@ -118,26 +124,29 @@ class CudaEngine:
             if fail:
                 rec.error = rec.error or _injected("host-to-device")
             else:
-                cuda.copy(dev.view(torch.uint8), host)
+                for dev, host in zip(devs, hosts, strict=True):
+                    cuda.copy(dev.view(torch.uint8), host)
             done.record(side)
         rec.h2d = done
-        rec.dev = dev
+        rec.dev = devs
         rec.dev_stream = compute
         self._timed["copy_seconds"].append((start, done))
+        stats.add("copy_handoffs", 1)
 
-    def finish_prefetch(self, rec: Transfer) -> tuple[torch.Tensor, float]:
+    def finish_prefetch(self, rec: Transfer) -> tuple[list[torch.Tensor], float]:
         cuda = _cuda.CUDA
-        dev = rec.dev
-        assert dev is not None
+        devs = rec.dev
+        assert devs is not None
         compute = cuda.current_stream(self.device)
         if not _config.unsafe_skip_waits:
             self._join(compute, rec.h2d)
         if compute != rec.dev_stream:
-            cuda.record_stream(dev, compute)  # allocated on another stream: tell the allocator
+            for dev in devs:  # allocated on another stream: tell the allocator
+                cuda.record_stream(dev, compute)
         rec.dev = None
         if rec.error is not None:
             raise RuntimeCopyError(f"fxckpt: restoring {rec.describe()} failed: {rec.error}")
-        return dev, 0.0
+        return devs, 0.0
 
     def wait_copied(self, d2h: Any, rec: Transfer) -> None:
         # The disk tier's writer thread reads the pinned buffer next: the host must see the
@@ -155,7 +164,7 @@ class CudaEngine:
         with cuda.device(self.device):
             side = self._stream(_H2D)
             with cuda.use_stream(side):
-                dev = cuda.empty(rec.span, rec.dtype, self.device)
+                dev = cuda.empty(rec.parts[0].span, rec.dtype, self.device)
                 if _config.poison_fresh:
                     dev.view(torch.uint8).fill_(0xFF)
                 start, done = cuda.event(timing=True), cuda.event(timing=True)

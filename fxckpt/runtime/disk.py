@@ -180,7 +180,7 @@ def start_offload(rec: Transfer, span: torch.Tensor) -> bool:
     copy = DiskCopy(where, buf, view)
     rec.disk = copy
     try:
-        get_engine(rec.device).start_offload(rec, span.view(torch.uint8), view[: rec.nbytes])
+        get_engine(rec.device).start_offload(rec, [(span.view(torch.uint8), view[: rec.nbytes])])
     except Exception:
         rec.disk = None
         del copy, view

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,49 +25,81 @@ from fxckpt.runtime import stats
 from fxckpt.runtime.pool import Completion
 
 
-@dataclass(eq=False)
-class Transfer:
-    """One offloaded tensor: how to rebuild it, and where its bytes are right now."""
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a transfer: how to rebuild it, and where its bytes sit in the host buffer."""
 
-    hid: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    span: int  # elements from the first to the last one the tensor reaches, inclusive
+    offset: int  # bytes from the start of the transfer's host buffer
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One offload: one tensor, or a bucket of them copied together (one host buffer, one
+    copy each way, one event), and where their bytes are right now."""
+
+    hid: int
+    parts: tuple[Part, ...]
     dtype: torch.dtype
     device: torch.device
-    span: int  # elements from the first to the last one the tensor reaches, inclusive
-    nbytes: int
+    nbytes: int  # of the host buffer the parts share
     host: torch.Tensor | None = None  # pool buffer; None when kept on the device or empty
-    kept: torch.Tensor | None = None  # fallback: the span, left on the device
-    src: torch.Tensor | None = None  # the source, alive until the device-to-host copy is done
+    kept: Any = None  # fallback: the span (a list of spans for a bucket), left on the device
+    src: Any = None  # the source(s), alive until the device-to-host copy is done
     d2h: Any = None  # Event / Future of the device-to-host copy
     h2d: Any = None  # Event / Future of the latest host-to-device copy
-    dev: torch.Tensor | None = None  # prefetched span on the device, until a wait takes it
+    dev: list[torch.Tensor] | None = None  # prefetched spans on the device, until a wait takes them
     src_stream: Any = None  # CUDA stream the source was produced on
     dev_stream: Any = None  # CUDA stream ``dev`` was allocated on
     error: str | None = None  # an injected failure (CUDA has no worker to raise in)
     disk: Any = None  # the disk tier's DiskCopy, for a tensor that goes to a file
 
+    @property
+    def size(self) -> tuple[int, ...]:
+        return self.parts[0].size
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.parts[0].stride
+
+    @property
+    def span(self) -> int:
+        return self.parts[0].span
+
     def describe(self) -> str:
+        if len(self.parts) > 1:
+            return (f"handle {self.hid} (a bucket of {len(self.parts)} {self.dtype} tensors, "
+                    f"{self.nbytes} bytes, {self.device})")
         return (
             f"handle {self.hid} ({self.dtype}, size {list(self.size)}, stride {list(self.stride)}, "
             f"{self.nbytes} bytes, {self.device})"
         )
 
+    def host_views(self, host: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's bytes in the host buffer ``host``."""
+        return [host[p.offset : p.offset + p.nbytes] for p in self.parts]
+
 
 class Engine(Protocol):
     device: torch.device
 
-    def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
-        """Begin copying ``span`` (uint8, on the device) into ``host``; sets ``rec.d2h``."""
+    def start_offload(self, rec: Transfer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
+        """Begin copying each ``(span, host)`` pair (uint8; the span on the device) as one copy
+        with one completion; sets ``rec.d2h``."""
 
     def finish_offload(self, rec: Transfer) -> float:
         """Make compute wait for the device-to-host copy; returns seconds the caller blocked."""
 
     def start_prefetch(self, rec: Transfer) -> None:
-        """Allocate ``rec.dev`` on compute and begin the host-to-device copy into it."""
+        """Allocate ``rec.dev`` (one span per part) on compute and begin the host-to-device
+        copy into it."""
 
-    def finish_prefetch(self, rec: Transfer) -> tuple[torch.Tensor, float]:
-        """Make compute wait for the prefetch; returns the span and seconds blocked."""
+    def finish_prefetch(self, rec: Transfer) -> tuple[list[torch.Tensor], float]:
+        """Make compute wait for the prefetch; returns the spans and seconds blocked."""
 
     def release(self, rec: Transfer) -> tuple[Completion, ...]:
         """Drop device references safely; returns when the host buffer may be reused."""
@@ -151,8 +184,8 @@ def _injected(direction: str) -> str:
     return f"injected {direction} copy failure (engine.configure(fail_next_copies=...))"
 
 
-def _fresh_span(rec: Transfer) -> torch.Tensor:
-    dev = torch.empty(rec.span, dtype=rec.dtype, device=rec.device)
+def _fresh_span(rec: Transfer, part: Part) -> torch.Tensor:
+    dev = torch.empty(part.span, dtype=rec.dtype, device=rec.device)
     if _config.poison_fresh:
         dev.view(torch.uint8).fill_(0xFF)
     return dev
@@ -187,14 +220,15 @@ class CpuEngine:
             assert self._state is not None
             return self._state
 
-    def start_offload(self, rec: Transfer, span: torch.Tensor, host: torch.Tensor) -> None:
+    def start_offload(self, rec: Transfer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
         delay, fail = _copy_plan()
-        # The job lets go of both tensors as soon as it has copied: the executor keeps a done
-        # job alive until its thread next runs. Held then, the source could be freed on the
+        # The job lets go of every tensor as soon as it has copied: the executor keeps a done
+        # job alive until its thread next runs. Held then, a source could be freed on the
         # worker's thread, which the CPU memory meter does not see, and a host buffer could
         # outlive the pool's accounting of it (the pool may already have freed and replaced it).
-        tensors = [span, host]
-        del span, host
+        tensors = list(copies)
+        del copies
 
         def copy() -> None:
             started = time.perf_counter()
@@ -203,11 +237,13 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("device-to-host"))
-            src, dst = tensors
-            tensors.clear()
-            dst.copy_(src)
+            while tensors:
+                src, dst = tensors.pop()
+                dst.copy_(src)
+                del src, dst
             stats.add("copy_seconds", time.perf_counter() - started)
 
+        stats.add("copy_handoffs", 1)
         rec.d2h = self._executors()[1].submit(copy)
 
     def finish_offload(self, rec: Transfer) -> float:
@@ -218,9 +254,11 @@ class CpuEngine:
         return stalled
 
     def start_prefetch(self, rec: Transfer) -> None:
-        dev = _fresh_span(rec)
+        dev = [_fresh_span(rec, part) for part in rec.parts]
         assert rec.host is not None
-        tensors = [dev.view(torch.uint8), rec.host[: rec.nbytes]]  # let go after the copy
+        # (device span, host bytes) pairs, let go of after the copy
+        tensors = [(d.view(torch.uint8), h) for d, h in zip(dev, rec.host_views(rec.host),
+                                                             strict=True)]
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
 
@@ -242,15 +280,17 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("host-to-device"))
-            out, host = tensors
-            tensors.clear()
-            out.copy_(host)
+            while tensors:
+                out, host = tensors.pop()
+                out.copy_(host)
+                del out, host
             stats.add("copy_seconds", time.perf_counter() - started)
 
+        stats.add("copy_handoffs", 1)
         rec.h2d = self._executors()[2].submit(copy)
         rec.dev = dev
 
-    def finish_prefetch(self, rec: Transfer) -> tuple[torch.Tensor, float]:
+    def finish_prefetch(self, rec: Transfer) -> tuple[list[torch.Tensor], float]:
         dev = rec.dev
         assert dev is not None
         stalled = 0.0 if _config.unsafe_skip_waits else _block_on(rec.h2d, rec, "host-to-device")
@@ -267,7 +307,7 @@ class CpuEngine:
             time.sleep(delay)
         if fail:
             raise RuntimeError(_injected("host-to-device"))
-        dev = _fresh_span(rec)
+        dev = _fresh_span(rec, rec.parts[0])
         dev.view(torch.uint8).copy_(host)
         stats.add("copy_seconds", time.perf_counter() - started)
         return dev

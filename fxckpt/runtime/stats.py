@@ -33,6 +33,7 @@ _COUNTERS = (
     "stall_seconds",
     "copy_seconds",
     "offload_calls",
+    "copy_handoffs",
     "fallbacks",
     "fallback_bytes",
     "pool_hits",

@@ -133,6 +133,25 @@ def test_measure_bandwidth_is_positive_and_cached(monkeypatch):
     assert costs._bandwidth.cache_info().hits >= 1
 
 
+def test_the_cpu_probe_copies_written_memory(monkeypatch):
+    # An unwritten torch.empty source maps every page to the kernel's shared zero page: the
+    # copy then reads the cache, and the probe reported a rate no memory system has.
+    sources: list[bool] = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, *args, **kwargs):
+        sources.append(bool(src.numel() > 2**20 and src[:: 2**12].ne(0).all()))
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    costs._bandwidth.cache_clear()
+    try:
+        assert measure_bandwidth("cpu") > 0
+    finally:
+        costs._bandwidth.cache_clear()
+    assert len(sources) >= 3 and all(sources)  # every page of every timed source was written
+
+
 def test_the_cuda_probe_times_the_copies_own_device(monkeypatch):
     # The copy runs on the stream of the device its device tensor lives on; timing events on
     # the current device's stream instead measured ~0 s for a model on cuda:1.

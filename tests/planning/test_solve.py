@@ -44,8 +44,11 @@ def problems(draw, max_n: int = 8, max_half: int = 10) -> Problem:
             col.append(v)
     fixed = draw(st.none() | st.lists(st.sampled_from([0, 100, 300]), min_size=T, max_size=T))
     overhead = draw(st.sampled_from(COPY_OVERHEAD_MS))
+    # Copy buckets: candidates sharing an id copy together (None: each alone).
+    n = len(cols[0])
+    buckets = draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
     return Problem(Timeline(step, F, draw(st.sampled_from(BANDWIDTH)), fixed, overhead),
-                   Candidates(*cols))
+                   Candidates(*cols, bucket=buckets))
 
 
 def random_problem(rng: random.Random, n: int, bandwidth: float | None = None,

@@ -176,7 +176,7 @@ def test_a_prefetch_whose_handle_dies_before_its_wait_is_held_until_the_copy_lan
     del src
     OPS.prefetch(h)
     rec = ops._records[int(h)]
-    ptr = rec.dev.data_ptr()
+    ptr = rec.dev[0].data_ptr()
     del rec, h  # the backward raised before the wait
     reused = hw.empty(256, torch.float32, DEV)
     assert reused.data_ptr() == ptr

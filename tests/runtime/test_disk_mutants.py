@@ -46,7 +46,7 @@ MUTANTS: list[tuple[str, list[tuple[str, str, int, str]]]] = [
      [("runtime/disk.py", "_staging.give(rec.device.type, [])  # the buffer stays", 1,
        "_staging.give(rec.device.type, [copy.buf])")]),
     ("the source stays referenced until its copy was waited for",
-     [("runtime/ops.py", "rec.src = src", 1, "pass")]),
+     [("runtime/transfer.py", "rec.src = src", 1, "pass")]),
     ("the host tier waits for staging before it falls back",
      [("runtime/ops.py", "waited = disk.wait_for_staging()", 1, "waited = 0.0")]),
 ]

@@ -250,10 +250,11 @@ def test_the_copy_worker_lets_go_of_the_source_before_it_signals_completion(monk
     monkeypatch.setattr(concurrent.futures.Future, "set_result", set_result)
     engine.configure(copy_delay_s=0.05)  # the copy runs after start_offload has returned
     eng = engine.get_engine("cpu")
-    rec = engine.Transfer(hid=0, size=(4096,), stride=(1,), dtype=src.dtype, device=src.device,
-                          span=4096, nbytes=src.nbytes, src=src)  # fmt: skip
+    part = engine.Part((4096,), (1,), 4096, 0, src.nbytes)
+    rec = engine.Transfer(hid=0, parts=(part,), dtype=src.dtype, device=src.device,
+                          nbytes=src.nbytes, src=src)  # fmt: skip
     host = torch.empty(src.nbytes, dtype=torch.uint8)
-    eng.start_offload(rec, src.view(torch.uint8), host)
+    eng.start_offload(rec, [(src.view(torch.uint8), host)])
     eng.finish_offload(rec)
     assert at_completion == [alone]  # only src itself: the worker's view is already gone
     assert torch.equal(host.view(torch.float32), src)

@@ -1,7 +1,8 @@
 """Every ordering call of the CUDA runtime is needed: removing any one fails a protocol test.
 
 Opt-in (``FXCKPT_MUTANTS=1``): each mutant copies the package, removes one call, and runs
-``tests/runtime/test_cuda_protocol.py`` against the copy in a fresh process, about five
+``tests/runtime/test_cuda_protocol.py`` and ``tests/runtime/test_cuda_buckets.py`` (the same
+rules for a bucket of tensors copied together) against the copy in a fresh process, about ten
 seconds each. The table it prints (``-s``) is the mutation proof: removed call, then the
 tests that caught it.
 """
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOCOL = ROOT / "tests" / "runtime" / "test_cuda_protocol.py"
+PROTOCOL = [ROOT / "tests" / "runtime" / name
+            for name in ("test_cuda_protocol.py", "test_cuda_buckets.py")]
 
 # (file, line as written, which occurrence, replacement): one ordering rule each.
 MUTANTS = [
@@ -38,7 +40,7 @@ MUTANTS = [
      "return ()"),
     ("runtime/cuda_engine.py", "reached.record(compute)", 1, "pass"),
     ("runtime/cuda_engine.py", "released.record(compute)", 1, "pass"),
-    ("runtime/ops.py", "rec.src = src", 2, "pass"),  # the host tier's (#1 is the disk tier's)
+    ("runtime/transfer.py", "rec.src = src", 2, "pass"),  # the host tier's (#1: the disk tier's)
     ("runtime/pool.py", "if all(done() for done in checks):", 1, "if True:"),
 ]
 
@@ -65,14 +67,16 @@ def test_each_ordering_call_is_caught_when_removed(tmp_path):
         env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-             str(PROTOCOL)],
+             *map(str, PROTOCOL)],
             capture_output=True, text=True, env=env, cwd=tree, timeout=600,
         )
         if n == 0:  # the copy, not the checkout, is what the tests import
             where = subprocess.run([sys.executable, "-c", "import fxckpt; print(fxckpt.__file__)"],
                                    capture_output=True, text=True, env=env, cwd=tree)
             assert where.stdout.strip().startswith(str(tree)), where.stdout + where.stderr
-        caught = re.findall(r"^FAILED \S+::(\w+)", done.stdout, re.M)
+        caught = re.findall(r"^FAILED \S+?(\w+)\.py::(\w+)", done.stdout, re.M)
+        caught = [f"{test} ({'bucket' if file.endswith('buckets') else 'single'})"
+                  for file, test in caught]
         label = f"{rel}: {line} (#{occurrence}) -> {replacement}"
         table.append(f"{label}\n    caught by: {', '.join(caught) or 'NOTHING'}")
         if done.returncode == 0 or not caught:

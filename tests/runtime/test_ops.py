@@ -57,6 +57,10 @@ def test_schemas_are_the_contract():
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
         "Device device, Tensor[]? after=None) -> Tensor",
         "fxckpt::note_saved(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
+        "fxckpt::offload_many(Tensor[] srcs, Tensor[]? after=None) -> Tensor",
+        "fxckpt::offload_many_done(Tensor handle, Tensor[] keepalive, Tensor[]? after=None) -> Tensor",
+        "fxckpt::wait_many(Tensor handle, Tensor ticket, SymInt[] sizes, SymInt[] strides, "
+        "int[] ranks, ScalarType dtype, Device device, Tensor[]? after=None) -> Tensor[]",
     ]
 
 
@@ -75,6 +79,10 @@ def test_dead_code_elimination_keeps_every_op():
     g.call_function(OPS.prefetch.default, (h,))
     g.call_function(OPS.wait.default, (h, [2], [1], torch.float32, torch.device("cpu")))
     g.call_function(OPS.note_saved.default, ([x], ""))
+    hm = g.call_function(OPS.offload_many.default, ([x, x],))
+    g.call_function(OPS.offload_many_done.default, (hm, [x, x]))
+    g.call_function(OPS.wait_many.default, (hm, hm, [2, 2], [1, 1], [1, 1], torch.float32,
+                                            torch.device("cpu")))
     g.output(x)
     g.eliminate_dead_code()
     assert [n.target for n in g.nodes if n.op == "call_function"] == list(ops.OPS)

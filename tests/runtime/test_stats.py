@@ -91,6 +91,7 @@ def test_snapshot_has_every_documented_figure():
         "stall_seconds",
         "copy_seconds",
         "offload_calls",
+        "copy_handoffs",
         "fallbacks",
         "fallback_bytes",
         "pool_bytes",
