@@ -276,10 +276,6 @@ def test_the_menu_is_covered_by_one_model() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    fxckpt._torch_compat.TORCH_VERSION < (2, 13),
-    reason="runs graphs pinned for Inductor eagerly; control_deps has no eager kernel before 2.13",
-)
 def test_regression_inductor_note_without_resident_tensors_has_a_device() -> None:
     # Found by fuzzing with compiler="inductor": when every saved tensor is offloaded, the
     # forward's note_saved([]) had no tensor argument and so no device. Inductor's scheduler
