@@ -5,31 +5,13 @@ any one ordering call also fails a test here (see its table)."""
 
 from __future__ import annotations
 
-import gc
-
-import pytest
 import torch
 from cuda_double import FakeCuda
 
-from fxckpt import _cuda
-from fxckpt.runtime import engine, ops, pool, stats
-from fxckpt.runtime.cuda_engine import CudaEngine
+from fxckpt.runtime import ops, stats
 
 OPS = torch.ops.fxckpt
 DEV = torch.device("cpu")  # the double's "device": CudaEngine runs on it unchanged
-
-
-@pytest.fixture
-def hw(monkeypatch):
-    double = FakeCuda()
-    monkeypatch.setattr(_cuda, "CUDA", double)
-    engine.configure(copy_streams=1)
-    monkeypatch.setitem(engine._engines, DEV, CudaEngine(DEV))
-    monkeypatch.setitem(pool._pools, "cpu", pool.HostPool(pinned=True))
-    stats.reset()
-    yield double
-    engine.configure(copy_streams=1)
-    gc.collect()
 
 
 def produce(hw: FakeCuda, sizes: tuple[int, ...] = (256, 64, 512), seed: int = 0

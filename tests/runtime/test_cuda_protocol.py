@@ -16,25 +16,10 @@ import pytest
 import torch
 from cuda_double import FakeCuda
 
-from fxckpt import _cuda
 from fxckpt.runtime import engine, ops, pool, stats
-from fxckpt.runtime.cuda_engine import CudaEngine
 
 OPS = torch.ops.fxckpt
 DEV = torch.device("cpu")  # the double's "device": CudaEngine runs on it unchanged
-
-
-@pytest.fixture
-def hw(monkeypatch):
-    double = FakeCuda()
-    monkeypatch.setattr(_cuda, "CUDA", double)
-    engine.configure(copy_streams=1)
-    monkeypatch.setitem(engine._engines, DEV, CudaEngine(DEV))
-    monkeypatch.setitem(pool._pools, "cpu", pool.HostPool(pinned=True))
-    stats.reset()
-    yield double
-    engine.configure(copy_streams=1)
-    gc.collect()
 
 
 def produce(hw: FakeCuda, n: int = 256, seed: int = 0) -> torch.Tensor:
