@@ -64,8 +64,9 @@ def test_budget_is_monotone() -> None:
     assert cost == sorted(cost)
 
 
-def test_plan_at_0_3_shows_every_decision_with_numbers() -> None:
-    plan, _ = run(0.3)
+def test_a_tight_plan_shows_every_decision_with_numbers() -> None:
+    # At 0.03 offload alone (0.05 of baseline at best here) cannot meet the budget.
+    plan, _ = run(0.03)
     kinds = {r.decision.kind for r in plan.activations}
     assert kinds == {"keep", "recompute", "offload"}
     for row in plan.activations:

@@ -139,6 +139,37 @@ def saved_activations(
     return result
 
 
+def hoist_saved_views(fw: fx.GraphModule) -> int:
+    """Move each view that only the forward's output reads to right after its input.
+
+    min-cut emits some saved aliases (the ``detach`` of an attention output, say) at the end
+    of the forward graph. Where they sit is where the forward last uses their storage, so an
+    offload of that storage could not start, and a bucket holding it could not be released,
+    before the forward ends. A view computes nothing, so moving it changes no value. Returns
+    how many moved.
+    """
+    nodes = list(fw.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for node in nodes:
+        target = node.target
+        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+                and target.is_view and node.users
+                and all(u.op == "output" for u in node.users)):  # fmt: skip
+            continue
+        inputs = node.all_input_nodes
+        if not inputs or any(n.op != "call_function" for n in inputs):
+            continue
+        latest = max(inputs, key=position.__getitem__)
+        if position[node] > position[latest] + 1:
+            latest.append(node)
+            moved += 1
+    if moved:
+        fw.graph.lint()
+        fw.recompile()
+    return moved
+
+
 def device_of(gm: fx.GraphModule) -> torch.device:
     """The accelerator a graph computes on: the first non-CPU tensor value, else the CPU."""
     for n in gm.graph.nodes:

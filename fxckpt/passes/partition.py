@@ -41,6 +41,7 @@ from fxckpt.graph.activations import (
     SavedActivation,
     bytes_per_storage,
     device_of,
+    hoist_saved_views,
     saved_activations,
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
@@ -130,6 +131,7 @@ def min_cut(
     """
     run = min_cut_without_cse if deduplicated else min_cut_rematerialization_partition
     fw, bw = run(joint if consume else clone_joint(joint), joint_inputs, **kwargs)
+    hoist_saved_views(fw)
     return fw, bw
 
 
