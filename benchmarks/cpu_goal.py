@@ -154,6 +154,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="torch.set_num_threads (the other core is left to fxckpt's copy threads)")
     p.add_argument("--strides", type=int, nargs="*",
                    help="segment strides to compare (default: 1 to the number of blocks)")
+    p.add_argument("--only", nargs="+", metavar="METHOD",
+                   help="run only these methods (and eager, the baseline of every ratio), e.g. "
+                        "--only fxckpt_plan fxckpt_offload_all --repeats 15: a tighter pair")
     p.add_argument("--quick", action="store_true",
                    help="strides 1, 2 and 4 only, and 3 rounds: about half the time")
     return p.parse_args(argv)
@@ -165,6 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     strides = args.strides if args.strides is not None else (
         [1, 2, 4] if args.quick else list(range(1, cfg.layers + 1)))
     repeats = 3 if args.quick and args.repeats == 5 else args.repeats
+    specs = goal_specs(strides)
+    if args.only:
+        names = {s.name for s in specs}
+        unknown = sorted(set(args.only) - names)
+        if unknown:
+            raise SystemExit(f"--only {' '.join(unknown)}: not a method here; choose from "
+                             f"{', '.join(sorted(names))}")
+        # full_checkpoint stays: it sets the budget every "at the budget" row is given.
+        specs = [s for s in specs if s.name in {"eager", "full_checkpoint", *args.only}]
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.accumulated_recompile_limit = 1 << 16
@@ -174,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{cfg.describe()}, batch {args.batch}, seq {args.seq}")
     started = time.perf_counter()
     facts["compiler_warmup_s"] = round(warm_compilers(torch.device("cpu")), 1)
-    rows = run_suite(cfg, batch=args.batch, seq=args.seq, specs=goal_specs(strides),
+    rows = run_suite(cfg, batch=args.batch, seq=args.seq, specs=specs,
                      device=torch.device("cpu"), warmup=args.warmup, repeats=repeats)
     facts["wall_s"] = round(time.perf_counter() - started, 1)
     facts["loadavg_end"] = list(os.getloadavg())

@@ -23,6 +23,13 @@ def test_script_imports_and_answers_help(name, capsys):
     assert ("--no-doc" if name == "plot" else "--json") in out
 
 
+def test_cpu_goal_names_an_unknown_method_before_running_anything():
+    from benchmarks import cpu_goal
+
+    with pytest.raises(SystemExit, match=r"--only fxckpt_nope: not a method here; choose from .*fxckpt_plan"):
+        cpu_goal.main(["--only", "fxckpt_nope", "fxckpt_plan", "--strides"])
+
+
 def test_gpu_check_rows_exist_in_the_shared_row_set():
     from benchmarks import gpu_check
     from benchmarks.methods import BASELINE_SPECS
