@@ -98,6 +98,11 @@ class HostPool:
         cls = size_class(nbytes)
         with self._lock:
             self._absorb_returned()
+            cap = self.max_bytes
+            if cap is not None and self.bytes > cap:
+                # Buffers still in use when the cap was lowered came back since: over the cap,
+                # an idle buffer goes instead of being handed out again.
+                self._evict_idle(lambda: self.bytes > cap)
             free = self._free.get(cls)
             if free:
                 stats.add("pool_hits", 1)

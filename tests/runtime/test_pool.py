@@ -109,6 +109,22 @@ def test_lowering_the_cap_frees_idle_buffers_and_a_dead_pool_leaves_the_stats():
     assert stats.snapshot()["pool_bytes"] == before - size_class(100_000)
 
 
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_buffer_returned_after_the_cap_was_lowered_is_not_handed_out_over_it(pinned):
+    # In use while the cap drops to 0, then released: the next acquire must not reuse it
+    # (the pool would hold more than its cap), it falls back like any other over the cap.
+    if pinned and not torch.cuda.is_available():
+        pytest.skip("pinned memory needs CUDA")
+    p = HostPool(pinned=pinned)
+    buf = p.acquire(2000)
+    p.set_cap(0)
+    p.release(buf)
+    del buf
+    with pytest.raises(PoolExhausted, match="cap of 0 bytes"):
+        p.acquire(2000)
+    assert p.bytes == 0
+
+
 def test_steady_state_makes_no_host_allocation():
     rng = random.Random(1)
     gen = torch.Generator().manual_seed(1)
