@@ -77,11 +77,17 @@ def net_allocations(
 ) -> tuple[dict[int, int], int]:
     """From allocator events in time order, the blocks still live (address -> bytes) and the
     peak of the live total. Frees of blocks allocated before the events began are skipped;
-    addresses in ``exclude`` (host pool buffers) are left out entirely."""
+    addresses in ``exclude`` (host buffers live at the end) leave out the block allocated
+    there last, and from then on that address: the allocator may have given the same address
+    to a device tensor freed earlier in the events, which counts."""
+    events = [e for e in events if e[3] == device_type]
+    # The event that allocated each excluded address's host block: its last allocation.
+    host_from = {ptr: i for i, (_, ptr, nbytes, _) in enumerate(events)
+                 if ptr in exclude and nbytes > 0}
     live: dict[int, int] = {}
     now = peak = 0
-    for _, ptr, nbytes, dev in events:
-        if dev != device_type or ptr in exclude:
+    for i, (_, ptr, nbytes, _) in enumerate(events):
+        if ptr in exclude and i >= host_from.get(ptr, 0):
             continue
         if nbytes > 0:
             # An address seen allocated twice without a free: the free came from a thread the

@@ -116,6 +116,21 @@ def test_net_allocations_pairs_frees_with_allocations_by_address() -> None:
     assert peak == 150
 
 
+def test_an_excluded_address_leaves_out_only_the_host_block_allocated_there_last() -> None:
+    # The allocator hands a freed device block's address to a host buffer (an offload
+    # handle, say) later in the call: the device block still counted towards the peak.
+    events = [
+        (1, 0xA, 100, "cpu"),
+        (2, 0xF, 64, "cpu"),  # a device temporary
+        (3, 0xF, -64, "cpu"),
+        (4, 0xF, 8, "cpu"),  # a host buffer at the same address, live at the end
+        (5, 0xB, 40, "cpu"),
+    ]
+    live, peak = net_allocations(events, "cpu", exclude={0xF})
+    assert live == {0xA: 100, 0xB: 40}
+    assert peak == 164
+
+
 class FakeCuda(CudaCounters):
     """CUDA's counters as a script: an earlier peak of 5000 bytes stays until reset."""
 
