@@ -90,19 +90,12 @@ class HostPool:
         with self._lock:
             self.max_bytes = max_bytes
             self._absorb_returned()
-            if max_bytes is not None:
-                self._evict_idle(lambda: self.bytes > max_bytes)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; raises :class:`PoolExhausted` when none can be had."""
         cls = size_class(nbytes)
         with self._lock:
             self._absorb_returned()
-            cap = self.max_bytes
-            if cap is not None and self.bytes > cap:
-                # Buffers still in use when the cap was lowered came back since: over the cap,
-                # an idle buffer goes instead of being handed out again.
-                self._evict_idle(lambda: self.bytes > cap)
             free = self._free.get(cls)
             if free:
                 stats.add("pool_hits", 1)
@@ -152,20 +145,26 @@ class HostPool:
             return freed
 
     def _absorb_returned(self) -> None:
+        """Sort returned buffers in (idle once their copies finished), and keep idle buffers
+        under the cap."""
         while self._returned:
             self._pending.append(self._returned.popleft())
-        if not self._pending:
-            return
         # Check every pending entry, not just up to the first unfinished one: torch's host
         # allocator stops at the first pending event, so finished blocks queue behind a
         # slow one (cutorch#618).
-        still = []
-        for buf, checks in self._pending:
-            if all(done() for done in checks):
-                self._free.setdefault(buf.numel(), []).append(buf)
-            else:
-                still.append((buf, checks))
-        self._pending = still
+        if self._pending:
+            still = []
+            for buf, checks in self._pending:
+                if all(done() for done in checks):
+                    self._free.setdefault(buf.numel(), []).append(buf)
+                else:
+                    still.append((buf, checks))
+            self._pending = still
+        # Over the cap (buffers in use when it was lowered, come back since): idle buffers go
+        # instead of being handed out again.
+        cap = self.max_bytes
+        if cap is not None and self.bytes > cap:
+            self._evict_idle(lambda: self.bytes > cap)
 
     def _make_room(self, cls: int) -> None:
         cap = self.max_bytes
