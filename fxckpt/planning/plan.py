@@ -136,6 +136,10 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     timeline: dict[str, Any] | None = None  # from the memory simulator, for reports
+    # What the cost model assumed, by name (``bandwidth_bytes_per_s``, ``compute_flops_per_s``,
+    # ``copy_overhead_ms``, ...): each ``{"value": float, "source": str}``, the source one of
+    # "measured", "option", "default" or "emulated".
+    assumptions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def kept_bytes(self) -> int:
@@ -186,6 +190,7 @@ class Plan:
             "notes": list(self.notes),
             "activations": [a.to_dict() for a in self.activations],
             "timeline": self.timeline,
+            "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
         }
 
     @staticmethod
@@ -200,6 +205,7 @@ class Plan:
             options=dict(d.get("options", {})),
             notes=list(d.get("notes", [])),
             timeline=d.get("timeline"),
+            assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
         )
 
     def summary(self) -> str:
