@@ -340,7 +340,8 @@ def size_hint(value: Any, fallback: int) -> int:
         return int(value)
     from torch.fx.experimental import symbolic_shapes as ss
 
-    for name in ("optimization_hint", "hint_int"):  # 2.13 name, then the 2.11 one
+    # 2.13's name, then 2.11's (whose hint_int is a deprecated alias that warns).
+    for name in ("optimization_hint", "size_hint"):
         fn = getattr(ss, name, None)
         if fn is not None:
             return int(fn(value, fallback=fallback))
