@@ -6,6 +6,7 @@ may move again; when they do, this is the only file to change.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -98,6 +99,22 @@ def min_cut_without_cse(
 
     with config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def min_cut_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The keyword arguments a partitioner received that min-cut takes, and the names of the
+    others.
+
+    A partitioner is called with whatever the calling torch passes: 2.11 to 2.15 pass
+    ``num_fwd_outputs``, ``static_lifetime_input_indices`` and (Inductor) ``compiler``; newer
+    ones may add metadata such as ``fw_metadata`` (pytorch#174823). min-cut's signature names
+    what it takes; one that takes ``**kwargs`` takes everything.
+    """
+    params = inspect.signature(min_cut_rematerialization_partition).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs), []
+    taken = {k: v for k, v in kwargs.items() if k in params}
+    return taken, sorted(k for k in kwargs if k not in params)
 
 
 def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
@@ -282,6 +299,7 @@ __all__ = [
     "make_graph_module",
     "make_boxed_func",
     "profiler_enabled",
+    "min_cut_keywords",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
     "register_logging",
