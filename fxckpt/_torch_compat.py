@@ -239,8 +239,13 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 
 
 def start_memory_events() -> None:
-    """Start recording the calling thread's allocator events (raises if a profiler is on)."""
+    """Start recording the calling thread's allocator events (raises if a profiler is on).
+
+    The profiler's start and stop lines on stderr are dropped (:mod:`fxckpt._profiler_log`).
+    """
     from torch._C import _autograd, _profiler
+
+    from fxckpt._profiler_log import quiet_trace_lines
 
     config = _profiler.ProfilerConfig(
         _profiler.ProfilerState.KINETO,
@@ -252,9 +257,10 @@ def start_memory_events() -> None:
         _profiler._ExperimentalConfig(),
     )
     activities = {_profiler.ProfilerActivity.CPU}
-    _autograd._prepare_profiler(config, activities)
-    # The stub omits the scopes argument the binding takes.
-    _autograd._enable_profiler(config, activities, {_profiler.RecordScope.STATIC_RUNTIME_MODEL})  # type: ignore[call-arg]
+    with quiet_trace_lines():
+        _autograd._prepare_profiler(config, activities)
+        # The stub omits the scopes argument the binding takes.
+        _autograd._enable_profiler(config, activities, {_profiler.RecordScope.STATIC_RUNTIME_MODEL})  # type: ignore[call-arg]
 
 
 def stop_memory_events() -> list[tuple[int, int, int, str]]:
@@ -265,9 +271,12 @@ def stop_memory_events() -> list[tuple[int, int, int, str]]:
     """
     from torch._C import _autograd, _profiler
 
-    result = _autograd._disable_profiler()
+    from fxckpt._profiler_log import quiet_trace_lines
+
+    with quiet_trace_lines():
+        result = _autograd._disable_profiler()
+        stack = list(result.experimental_event_tree())
     events = []
-    stack = list(result.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
