@@ -189,6 +189,28 @@ def cache_pinned_graphs() -> dict[str, Any]:
     }
 
 
+def register_backend_name(name: str, target: str) -> None:
+    """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
+    where no installed entry point has claimed the name yet: running from a source tree.
+
+    torch reads the ``torch_dynamo_backends`` entry points lazily, on the first lookup of a
+    name it does not know (``_dynamo/backends/registry.py``, the same in 2.11 and 2.13), and
+    registers a backend when it first loads it. Calling ``register_backend`` here instead
+    would break installed copies: torch's lookup loads the entry point, which imports this
+    package, which would register the name first, and torch's own ``register_backend`` call
+    then asserts on the duplicate. So the name is entered the way an installed entry point
+    is, as an unloaded ``EntryPoint``, and only where the registry holds nothing for it: an
+    installed entry point that torch discovers later replaces it, and both load ``target``.
+    """
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS or name in registry._BACKENDS:
+        return
+    registry._BACKENDS[name] = EntryPoint(name=name, value=target, group="torch_dynamo_backends")
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -284,6 +306,7 @@ __all__ = [
     "profiler_enabled",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
+    "register_backend_name",
     "register_logging",
     "run_after",
     "start_memory_events",
