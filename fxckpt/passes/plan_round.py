@@ -24,12 +24,10 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import copy_overhead_ms
 from fxckpt.graph.memory import Problem, simulate
 from fxckpt.options import Options
 from fxckpt.passes.budget import (
     Storage,
-    bandwidth_bytes_per_ms,
     build_problem,
     copy_buckets,
     forced_offloads,
@@ -104,9 +102,13 @@ class RoundPlanner:
         blocks: BlockFacts,
         num_fwd_outputs: int,
         requests: Set[str],
+        assumed: dict[str, dict[str, Any]],
     ) -> None:
         self.options, self.budget, self.device = options, budget, device
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
+        # What copies cost (graph.costs.assumptions): the plan records these very figures.
+        self.bytes_per_ms = float(assumed["bandwidth_bytes_per_s"]["value"]) / 1e3
+        self.copy_overhead_ms = float(assumed["copy_overhead_ms"]["value"])
 
     def decide(
         self,
@@ -139,14 +141,14 @@ class RoundPlanner:
             part.fw,
             fw_ms,
             bw_ms,
-            bandwidth_bytes_per_ms(opts, self.device),
+            self.bytes_per_ms,
             offloadable=offloadable,
             forced=forced,
             allow_recompute=budget is not None and allow_recompute,
             cost_model=opts.cost_model,
             device=self.device,
             not_recomputable=stuck,
-            copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
+            copy_overhead_ms=self.copy_overhead_ms,
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
