@@ -171,11 +171,13 @@ class RoundPlanner:
         if pick is None:
             pick = choose(problem, facts, budget, opts.prefetch)
         decision = _decision(pick, storages, flops, forced_why, budget)
-        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute)
+        pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
+        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute, pinned=pinned)
 
 
 def _host_tiers(
-    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool
+    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool,
+    pinned: bool = False,
 ) -> RoundDecision:
     """The decision with every offload given a tier under ``host_budget``: host memory, the
     disk tier, or (the host being short and no disk taking it) a single-op recompute or a
@@ -183,7 +185,7 @@ def _host_tiers(
     before = [decision.kind_of(s.key) for s in decision.storages]
     host, changed = place_tiers(
         decision.problem, decision.storages, decision.choices, options,
-        allow_recompute=allow_recompute and budget is not None, report=None,
+        allow_recompute=allow_recompute and budget is not None, report=None, pinned=pinned,
     )  # fmt: skip
     if not changed:
         return dataclasses.replace(decision, host=host)
