@@ -34,7 +34,10 @@ FRESH = textwrap.dedent(
         torch.randn(8, 32, requires_grad=True)).backward()
     (plan,) = fxckpt.last_plans()
     costs._bandwidth.cache_clear()
-    outside = [costs.measure_bandwidth("cpu") * 1e3 for _ in range(3)]
+    outside = []
+    for _ in range(5):
+        costs._bandwidth.cache_clear()
+        outside.append(costs.measure_bandwidth("cpu") * 1e3)
     print("RESULT " + json.dumps({"assumed": plan.assumptions, "outside": outside}))
     """
 )
@@ -50,10 +53,10 @@ def test_a_first_compile_assumes_the_bandwidth_a_probe_outside_compile_measures(
     got = json.loads(line[len("RESULT ") :])
     bw = got["assumed"]["bandwidth_bytes_per_s"]
     assert bw["source"] == "measured"
-    outside = sorted(got["outside"])[1]  # the median of three probes, in bytes per second
-    # Inside the fake mode the probe read ~56x the real rate; a loaded machine moves the
-    # real one by less than 4x.
-    assert outside / 4 <= bw["value"] <= outside * 4, (bw["value"], got["outside"])
+    outside = got["outside"]  # five probes after the compile, in bytes per second
+    # Inside the fake mode the probe read ~56-100x the real rate; on a loaded machine the real
+    # one moves between probes, but not by 4x.
+    assert min(outside) / 4 <= bw["value"] <= max(outside) * 4, (bw["value"], outside)
 
 
 def test_the_cuda_probe_steps_out_of_a_fake_mode() -> None:

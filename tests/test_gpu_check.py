@@ -213,3 +213,18 @@ def test_plot_writes_each_verdict_and_the_comparison_into_the_docs_block():
     assert "| sync_debug | failed | synchronizing call |" in block
     assert "| 8192 | fxckpt_offload_all | full_checkpoint | 0.80 | 0.90 | 1.5 |" in block
     assert "H200" in block
+
+
+def test_the_goals_start_whatever_their_estimate_and_a_check_without_work_calibrates_nothing(
+        tmp_path):
+    from benchmarks.gpu_harness import Check, run_all
+
+    ran = []
+    ctx = _ctx(tmp_path, deadline_s=30.0)
+    ctx.compile_s = 100.0  # every estimate is far past the deadline
+    run_all(ctx, [Check("goals", False, 16, lambda ctx: ran.append("goals"), cpu_compiles=0,
+                        always_start=True),
+                  Check("late", False, 1, lambda ctx: ran.append("late"))], [])
+    assert ran == ["goals"] and ctx.ratios == []  # no CPU work: no measured ratio
+    late = next(c for c in ctx.report.checks if c["check"] == "late")
+    assert late["status"] == "skipped" and late["why"].startswith("deadline")

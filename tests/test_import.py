@@ -144,6 +144,11 @@ BACKEND_CHILD = textwrap.dedent(
 def test_backend_name_resolves_from_a_source_tree_and_beside_an_installed_entry_point(
     entry_point: str, order: str
 ) -> None:
+    from importlib.metadata import entry_points
+
+    installed = any(e.name == "fxckpt" for e in entry_points(group="torch_dynamo_backends"))
+    if entry_point == "keep" and not installed:
+        pytest.skip("fxckpt is not installed here: no entry point to keep")
     # "hide": running from a source tree (PYTHONPATH=.), no entry point anywhere; "keep": the
     # package is installed, and torch may load its entry point before or after the import.
     done = subprocess.run(
