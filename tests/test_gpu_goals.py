@@ -93,3 +93,11 @@ def test_the_measurement_runs_end_to_end_on_a_tiny_decoder():
                 "vs_save_on_cpu"):
         assert goals[key]["verdict"] in ("met", "not met"), goals[key]
         assert goals[key]["figure"] is not None
+
+
+def test_wrong_gradients_keep_the_figure_but_never_meet_the_goal():
+    bad = _row(g.FITS, 50.1, 5000, plan=_plan(4000, 4000, offloads=0), grads_match=False,
+               grads_note="w: largest difference 0.9 of its magnitude")
+    got = g.judge(rows(**{g.FITS: bad}))["no_offload_overhead"]
+    assert got["figure"] == pytest.approx(50.1 / 50) and got["verdict"] == "not met"
+    assert "gradients differ" in got["inputs"]["why"]
