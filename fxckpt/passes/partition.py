@@ -49,6 +49,7 @@ from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
+from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
@@ -277,6 +278,10 @@ def partition(
     plan.timeline = plan_timeline
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+    if inductor:
+        with step(graph_name, "saved layouts"):
+            plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
+    with step(graph_name, "note"):
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
