@@ -368,3 +368,13 @@ def non_overlapping_and_dense(val: torch.Tensor) -> bool:
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 
     return bool(is_non_overlapping_and_dense_or_false(val))
+
+
+def saved_tensors_hooks_free() -> bool:
+    """Whether a ``saved_tensors_hooks`` pack hook pushed now would see every saved tensor and
+    hide none from the caller's own: hooks are enabled, and none are active."""
+    autograd = torch._C._autograd
+    return bool(
+        autograd._saved_tensors_hooks_is_enabled()
+        and autograd._top_saved_tensors_default_hooks(False) is None
+    )

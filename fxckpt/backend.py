@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from fxckpt import _torch_compat as compat
+from fxckpt import residency
 from fxckpt.errors import OptionsError
 from fxckpt.options import Options, options_from_env
 from fxckpt.planning.plan import Plan
@@ -144,14 +145,18 @@ def compile_graph(
             raise OptionsError(
                 "mode", mode, "no mode with compiler='eager' (modes configure Inductor)"
             )
-        return compat.aot_autograd(
+        compiled = compat.aot_autograd(
             fw_compiler=_boxed_nop,
             bw_compiler=_boxed_nop,
             inference_compiler=_boxed_nop,
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-    return compat.compile_fx(gm, example_inputs, config_patches=inductor_patches(partitioner, mode))
+    else:
+        patches = inductor_patches(partitioner, mode)
+        compiled = compat.compile_fx(gm, example_inputs, config_patches=patches)
+    # What the first training step really holds for the backward, against the plan.
+    return compiled if offline else residency.checked(compiled)
 
 
 def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:
