@@ -122,7 +122,8 @@ def hf_zoo_model(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """More tiny Hugging Face models from configs (no download), with inputs and labels.
 
-    Encoders (``bert``, ``roberta``, ``modernbert``, ``vit``), an encoder-decoder (``t5``),
+    Encoders (``bert``, ``roberta``, ``modernbert``, ``vit``), encoder-decoders (``t5``,
+    ``whisper``: speech features in, text out),
     decoders (``gpt_neox``, ``opt``, ``mistral``, ``phi3``, ``gemma2``) and a mixture of experts
     (``mixtral``). ``dropout`` sets every dropout probability the config has; attention then
     runs the eager path, whose dropout is an ordinary op (SDPA's would be fused).
@@ -178,6 +179,16 @@ def hf_zoo_model(
                 dropout_rate=p, decoder_start_token_id=0,
             )
         )
+    elif arch == "whisper":
+        model = tf.WhisperForConditionalGeneration(
+            tf.WhisperConfig(
+                vocab_size=vocab, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=8,
+                max_target_positions=32, decoder_start_token_id=0, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, dropout=p,
+            )
+        )
     elif arch == "vit":
         model = tf.ViTForImageClassification(
             tf.ViTConfig(
@@ -194,4 +205,71 @@ def hf_zoo_model(
     if arch == "vit":
         return model, {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.tensor([0, 2])}
     ids = torch.randint(2, vocab, (2, seq), generator=g)
+    if arch == "whisper":
+        # Mel features: 8 bins x 16 frames (two conv layers halve them to 8 positions).
+        return model, {"input_features": torch.randn(2, 8, 16, generator=g), "labels": ids[:, :6]}
     return model, {"input_ids": ids, "labels": ids}
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 conv + BatchNorm, and a 1x1 projection where the shape
+    changes (torchvision's layout, written here: torchvision is not a test dependency)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-shaped: a stem, then stages ``layer1``.. (each ``blocks`` basic blocks, the
+    first of each later stage halving the resolution), pooling and a classifier; the loss
+    is cross-entropy against ``labels``."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            stage = [BasicBlock(cin if j == 0 else w, w, 2 if i > 0 and j == 0 else 1) for j in range(blocks)]
+            self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
+            cin = w
+        self.stages = len(widths)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        for i in range(self.stages):
+            x = getattr(self, f"layer{i + 1}")(x)
+        logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        return F.cross_entropy(logits, labels)
+
+
+class ConvBNNet(nn.Module):
+    """``depth`` x (Conv2d, BatchNorm2d, ReLU) at one width; the loss is the output's mean
+    square."""
+
+    def __init__(self, channels: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *[
+                nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+                for _ in range(depth)
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean()

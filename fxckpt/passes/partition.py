@@ -404,7 +404,7 @@ def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if blocks.source == "given":
         return [f"the graph is block {blocks.blocks[0]} (block_index)"] if blocks.index_of else []
     if blocks.index_of:
-        return [f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}"]
+        return [blocks.describe()]
     return []
 
 
