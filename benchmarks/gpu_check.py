@@ -23,6 +23,9 @@ figures to the JSON file. Inductor is the compiler unless ``--compiler eager``. 
    mark within the budget, bytes written to disk, no fallback, no file left.
 10. ``memory_vs_simulator``: bytes left after the forward against the plan's kept bytes,
    and the forward peak's change against the simulator's, within 5 %.
+10b. ``conv_memory``: ``benchmarks/conv_case.py``: a ResNet-18-shaped net in bf16, where
+   Inductor lays convolutions out channels-last: held bytes after a forward at budgets 0.5
+   and 0.3 against plain ``aot_eager``'s and the plan's, gradients within the floor.
 11. ``cudagraphs``: ``benchmarks/gpu_cudagraphs.py`` trains under ``mode="reduce-overhead"``
     against eager and finds any fxckpt op inside a captured partition.
 12. ``bucket_overhead``: ``benchmarks/bucket_overhead.py``: fxckpt ops, hand-offs to the copy
@@ -397,6 +400,12 @@ def check_table(ctx: Ctx) -> None:
     ctx.report.add("table", "failed" if failed else "passed", "; ".join(failed),
                    rows=rows, versus=v.summarize(rows, ("full_checkpoint", "save_on_cpu")))
 
+def check_conv_memory(ctx: Ctx) -> None:
+    from benchmarks.conv_case import run as conv_case
+
+    record = conv_case(ctx.device, ctx.compiler)
+    ctx.report.add("conv_memory", record.pop("status"), record.pop("why"), **record)
+
 
 # (name, needs CUDA, rough seconds on an H200, function)
 CHECKS: tuple[tuple[str, bool, float, Callable[[Ctx], None]], ...] = (
@@ -410,6 +419,7 @@ CHECKS: tuple[tuple[str, bool, float, Callable[[Ctx], None]], ...] = (
     ("stall_figures", True, 5, check_stall_figures),
     ("disk_tier", False, 30, check_disk_tier),
     ("memory_vs_simulator", True, 90, check_memory_vs_simulator),
+    ("conv_memory", True, 60, check_conv_memory),
     ("cudagraphs", True, 60, check_cudagraphs),
     ("bucket_overhead", False, 30, check_bucket_overhead),
     ("table", True, 120, check_table),
