@@ -375,6 +375,6 @@ def saved_tensors_hooks_free() -> bool:
     hide none from the caller's own: hooks are enabled, and none are active."""
     autograd = torch._C._autograd
     return bool(
-        autograd._saved_tensors_hooks_is_enabled()
+        autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
         and autograd._top_saved_tensors_default_hooks(False) is None
     )

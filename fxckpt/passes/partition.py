@@ -11,6 +11,8 @@
                            carries a decision out: it re-tags the joint graph and runs
                            min-cut again, then asks the next round
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
+    8. passes.saved_layout (Inductor) saved graph inputs leave in their own layout, so
+                           Inductor's layout optimization saves no channels-last copy
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
-from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
+from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
