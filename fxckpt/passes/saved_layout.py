@@ -85,7 +85,7 @@ def keep_input_layouts(
     bw_placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     bw_at = {n: i for i, n in enumerate(bw.graph.nodes)}
     names: list[str] = []
-    copied: dict[int, int] = {}
+    copied: dict[int | None, int] = {}
     for node in saved_nodes(fw, num_fwd_outputs):
         val = tensor_val(node)
         assert val is not None
@@ -93,7 +93,9 @@ def keep_input_layouts(
         ph = bw_placeholders.get(node.name)
         if key not in inputs or not _would_copy(node, prefer) or ph is None or not ph.users:
             continue
-        with fw.graph.inserting_after(node):
+        # At the end, among the saved outputs: a view of an input computes nothing, and the
+        # forward's placeholders stay together.
+        with fw.graph.inserting_before(out):
             flat = fw.graph.call_function(aten.unsqueeze.default, (node, 0))
         with _fake_context(val):
             flat.meta["val"] = val.unsqueeze(0)
@@ -111,7 +113,7 @@ def keep_input_layouts(
         ph.replace_all_uses_with(back)
         bw.graph.erase_node(ph)
         names.append(node.name)
-        copied.setdefault(key if key is not None else id(node), concrete(val.numel()) * val.element_size())
+        copied.setdefault(key, concrete(val.numel()) * val.element_size())
     if not names:
         return KeptLayouts()
     out.args = (tuple(outputs),)
