@@ -17,7 +17,8 @@ round in another order) on one process, caches off:
 - ``fxckpt_nchw``: fxckpt with layout optimization off.
 
 Per method: what one forward leaves for the backward (fxckpt's meter, never a plan), and the
-step time as a ratio to ``inductor``'s, paired per round (median, min, max).
+step time as a ratio to ``inductor``'s, paired per round (median, min, max); then ``fxckpt``
+against ``fxckpt_copies`` and ``fxckpt_nchw``, paired the same way.
 """
 
 from __future__ import annotations
@@ -61,19 +62,33 @@ def _compiling(name: str) -> Iterator[None]:
         yield
 
 
-def _stepper(name: str, base: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable[[], None], Any]:
+def _backend(name: str) -> Callable[..., Any]:
+    """A backend of the method's own: dynamo keeps one compiled entry per backend, so the
+    methods (one model class, one code object) never share one, and a recompile happens
+    under the method's settings."""
+    from torch._inductor.compile_fx import compile_fx
+
     import fxckpt
 
+    inner = compile_fx if name.startswith("inductor") else fxckpt.backend()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with _compiling(name):
+            return inner(gm, example_inputs)
+
+    backend.__name__ = name
+    return backend
+
+
+def _stepper(name: str, base: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable[[], None], Any]:
     model = copy.deepcopy(base)
-    backend = "inductor" if name.startswith("inductor") else fxckpt.backend()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=_backend(name))
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         compiled(*inputs).backward()
 
-    with _compiling(name):
-        step()
+    step()
     return step, compiled
 
 
@@ -88,14 +103,16 @@ def measure(rounds: int, steps: int, widths: tuple[int, ...], batch: int, side: 
     inputs = (torch.randn(batch, 3, side, side, generator=g), torch.randint(0, 10, (batch,), generator=g))
     steppers: dict[str, Callable[[], None]] = {}
     out: dict[str, dict[str, Any]] = {}
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
     for name in METHODS:
-        torch._dynamo.reset()
         step, compiled = _stepper(name, base, inputs)
         steppers[name] = step
         m = fxckpt.measure(lambda compiled=compiled: compiled(*inputs))
         m.output.backward()
         out[name] = {"held_bytes": m.held_bytes, "step_ms": []}
-        step()  # warm
+    for name in METHODS:
+        steppers[name]()  # warm, and no method compiles again from here on
     for r in range(rounds):
         for name in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
             start = time.perf_counter()
@@ -137,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.side}x{args.side}, fp32, CPU, {args.threads} thread(s), {args.rounds} rotated "
           f"rounds of {args.steps} steps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(table(rows))
+    for name in ("fxckpt_copies", "fxckpt_nchw"):
+        pair = [a / b for a, b in zip(rows["fxckpt"]["step_ms"], rows[name]["step_ms"], strict=True)]
+        print(f"fxckpt / {name}, paired per round: median {statistics.median(pair):.3f} "
+              f"({min(pair):.3f}..{max(pair):.3f})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
