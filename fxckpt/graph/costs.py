@@ -1,22 +1,29 @@
 """FLOPs, bandwidth and the cost models that turn an FX node into estimated milliseconds.
 
-Nothing here runs at import: bandwidth is measured on first use and cached per process.
+Nothing here runs at import: bandwidth is measured on first use and cached per process
+(:mod:`fxckpt.graph.probes`). :func:`assumptions` is what one compile assumes.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fxckpt._torch_compat import flop_formula
+from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
+    DEFAULT_PCIE_BYTES_PER_MS,
+    _bandwidth,
+    measure_bandwidth,
+    profile_ms,
+)
 from fxckpt.graph.sizes import concrete
 
 if TYPE_CHECKING:
     import torch
     import torch.fx
+
+    from fxckpt.options import Options
 
 # Sustained rates for the "flops" model, in FLOPs per millisecond. Deliberately below peak:
 # a recomputed op runs alone, without the fusion and overlap of the original step.
@@ -26,7 +33,6 @@ DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dens
 # without it their recompute would look free.
 DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
 DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
-DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5 x16 link
 
 # Host time the compute thread spends per offloaded tensor, in ms: four runtime-op calls
 # (offload, offload_done, prefetch, wait) and two hand-offs to the copy engine. The copies hide
@@ -38,7 +44,6 @@ DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5
 # HOST_MEMORY_NOTES) and their events. Offline plans (meta) price a GPU's engine.
 COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
 
-_COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
                            "as_strided", "view_as", "expand_as", "contiguous", "detach"})
@@ -159,82 +164,54 @@ def flops_to_ms(flops: float, device: Any) -> float:
     return flops / rate
 
 
-@functools.cache
-def _bandwidth(device: str) -> float:
-    import torch
-
-    if device.startswith("cuda"):
-        return _cuda_bandwidth(torch.device(device))
-    # Both buffers written before timing: an untouched torch.empty maps every page of the
-    # source to the kernel's one shared zero page, and copying from it reads the cache, not
-    # memory (it measured ~900 GB/s).
-    src = torch.full((_COPY_BYTES,), 7, dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return _COPY_BYTES / max(best * 1e3, 1e-6)
-
-
-def _cuda_bandwidth(device: torch.device) -> float:
-    """Bytes/ms of the slower direction between page-locked host memory and ``device``.
-
-    Everything happens on ``device``'s own current stream, under its device guard: a copy
-    runs on the stream of the device its device tensor lives on, so events recorded on the
-    *current* device's stream would time nothing when the model sits on another GPU, and
-    the planner would then believe copies are free.
-    """
-    import torch
-
-    from fxckpt import _cuda
-
-    cuda = _cuda.CUDA
-    host = cuda.page_locked(_COPY_BYTES)  # like the pool's slabs: exactly locked pages
-    try:
-        with cuda.device(device):
-            stream = cuda.current_stream(device)
-            dev = cuda.empty(_COPY_BYTES, torch.uint8, device)
-            with cuda.use_stream(stream):
-                cuda.copy(dev, host)  # warm up the copy engines and the allocator
-                cuda.copy(host, dev)
-                slower_ms = 0.0
-                for dst, src in ((dev, host), (host, dev)):
-                    start, end = cuda.event(timing=True), cuda.event(timing=True)
-                    start.record(stream)
-                    for _ in range(3):
-                        cuda.copy(dst, src)
-                    end.record(stream)
-                    end.synchronize()
-                    slower_ms = max(slower_ms, start.elapsed_time(end) / 3)
-    finally:
-        cuda.unlock(host)  # every copy has completed: end.synchronize()
-    return _COPY_BYTES / max(slower_ms, 1e-6)
-
-
 def _gpu_like(device: str) -> bool:
     # Offline plans (fxckpt inspect) run on the meta device for a GPU that is not here.
     return device.startswith(("cuda", "meta"))
 
 
-def measure_bandwidth(device: Any) -> float:
-    """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
+# Sources of an assumed figure: measured on this machine, given as an option, or the table's.
+MEASURED, OPTION, DEFAULT = "measured", "option", "default"
+UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
-    CUDA: a page-locked 64 MiB host buffer copied H2D then D2H three times each on the
-    device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of
-    three 64 MiB ``copy_`` calls between buffers written beforehand (a memcpy rate). Meta (offline
-    planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link.
+
+def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
+    """What the cost model assumes for one compile on ``device``, each figure with where it
+    came from: ``{"name": {"value": float, "source": "measured" | "option" | "default"}}``.
+
+    - ``bandwidth_bytes_per_s``: the host link (``bandwidth`` option, else probed once per
+      device and process, outside any fake mode; offline plans and ``cost_model="unit"``
+      take a table's figure);
+    - ``compute_flops_per_s`` and ``memory_bytes_per_s``: the ``"flops"`` model's sustained
+      rates for the device's kind (``"profile"`` times ops instead, where it can);
+    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread.
+
+    The planner prices copies with exactly these figures, and the plan records them as
+    ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
+    that replaces a figure for a whole compile (an emulated host link, say, with its own
+    source name) hooks in here, and the plan, the logs and ``fxckpt inspect`` follow.
     """
     name = device if isinstance(device, str) else str(device)
-    if name.startswith("meta"):
-        return DEFAULT_PCIE_BYTES_PER_MS  # offline planning: nothing to measure
-    if name == "cuda":
-        import torch
+    gpu = _gpu_like(name)
+    if options.bandwidth is not None:
+        bandwidth = _figure(float(options.bandwidth), OPTION)
+    elif options.cost_model == "unit":
+        bandwidth = _figure(UNIT_BYTES_PER_MS * 1e3, DEFAULT)
+    elif name.startswith("meta"):
+        bandwidth = _figure(DEFAULT_PCIE_BYTES_PER_MS * 1e3, DEFAULT)
+    else:
+        bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
+    flops = DEFAULT_CUDA_FLOPS_PER_MS if gpu else DEFAULT_CPU_FLOPS_PER_MS
+    traffic = DEFAULT_CUDA_BYTES_PER_MS if gpu else DEFAULT_CPU_BYTES_PER_MS
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "compute_flops_per_s": _figure(flops * 1e3, DEFAULT),
+        "memory_bytes_per_s": _figure(traffic * 1e3, DEFAULT),
+        "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
+    }
 
-        name = f"cuda:{torch.cuda.current_device()}"
-    return _bandwidth(name)
+
+def _figure(value: float, source: str) -> dict[str, Any]:
+    return {"value": value, "source": source}
 
 
 def copy_overhead_ms(device: Any, cost_model: str) -> float:
@@ -244,28 +221,6 @@ def copy_overhead_ms(device: Any, cost_model: str) -> float:
         return 0.0
     name = device if isinstance(device, str) else str(device)
     return COPY_OVERHEAD_MS["cuda" if _gpu_like(name) else "cpu"]
-
-
-def _profile_ms(node: torch.fx.Node, device: str, repeats: int = 5) -> float:
-    import torch
-
-    def real(v: torch.Tensor) -> torch.Tensor:
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            return torch.randn(v.shape, dtype=v.dtype, device=device)
-        return torch.zeros(v.shape, dtype=v.dtype, device=device)  # safe as an index
-
-    got = _meta_args(node, real)
-    if got is None:
-        return 0.0
-    fn = node.target
-    fn(*got[0], **got[1])  # type: ignore[operator]  # warm-up: kernels, allocator
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn(*got[0], **got[1])  # type: ignore[operator]
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
@@ -288,7 +243,7 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
     name = device if isinstance(device, str) else str(device)
     if cost_model == "profile" and name.startswith("cuda") and node.op == "call_function":
         try:
-            return _profile_ms(node, name)
+            return profile_ms(node, name, _meta_args)
         except Exception:
             pass
     return max(flops_to_ms(node_flops(node), name), _traffic_ms(node, name))

@@ -16,7 +16,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.costs import is_random, measure_bandwidth, node_cost_ms, node_flops
+from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
 from fxckpt.graph.memory import Candidates, Problem, Timeline
 from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
@@ -268,14 +268,6 @@ def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> lis
         node_cost_ms(n, cost_model, device) if n.op == "call_function" else 0.0
         for n in gm.graph.nodes
     ]
-
-
-def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
-    if options.bandwidth is not None:
-        return float(options.bandwidth) / 1e3
-    if options.cost_model == "unit":
-        return 1e6  # deterministic: 1 MB per unit step
-    return measure_bandwidth(device)
 
 
 def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.device) -> float:

@@ -13,6 +13,8 @@
                            fixed by mark_dynamic, passes.size_range has the rounds run again
                            under a tighter budget until the plan holds at every size
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
+    8. passes.saved_layout (Inductor) saved graph inputs leave in their own layout, so
+                           Inductor's layout optimization saves no channels-last copy
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from fxckpt.graph.activations import (
     saved_activations,
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
+from fxckpt.graph.costs import assumptions
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
@@ -58,11 +61,12 @@ from fxckpt.passes.rounds import (
     plan_rounds,
     step,
 )
+from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
 from fxckpt.passes.shape_budget import BudgetCheck, check_budget, plan_for_longest, sizes_note
 from fxckpt.passes.size_range import fit_range
-from fxckpt.planning.plan import Plan
+from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.planner import build_plan
 
 log = logging.getLogger(__name__)
@@ -185,12 +189,14 @@ def partition(
             (base_fw, base_bw) if report.tagged == 0 else cut(source, consume=budget is None)
         )
         part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
+    with step(graph_name, "assumptions"):
+        assumed = assumptions(options, device)  # probes run once per device and process
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
     plan_at = functools.partial(
         plan_rounds, Attempt(None, part, Rounds(), report, segment_ms), source=source, cut=cut,
         blocks=blocks, options=options, device=device, num_fwd_outputs=num_fwd_outputs,
-        requests=requests, graph_name=graph_name,
+        requests=requests, assumed=assumed, graph_name=graph_name,
         search_blocks=budget is not None and not options.is_explicit("segment_stride") and stride == 0,
     )  # fmt: skip
     attempt = plan_at(budget)
@@ -247,8 +253,13 @@ def partition(
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
     plan.timeline = plan_timeline
+    plan.assumptions = assumed
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+    if inductor:
+        with step(graph_name, "saved layouts"):
+            plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
+    with step(graph_name, "note"):
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
@@ -323,7 +334,7 @@ def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if blocks.source == "given":
         return [f"the graph is block {blocks.blocks[0]} (block_index)"] if blocks.index_of else []
     if blocks.index_of:
-        return [f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}"]
+        return [blocks.describe()]
     return []
 
 
@@ -340,4 +351,6 @@ def _log_plan(plan: Plan) -> None:
         )
     for note in plan.notes:
         log.info("fxckpt[%s] %s", plan.name, note)
+    if plan.assumptions:
+        log.info("fxckpt[%s] assumed: %s", plan.name, describe_assumptions(plan.assumptions))
     trace_plan_artifact(plan.name, json.dumps(plan.to_dict()))

@@ -24,12 +24,10 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import copy_overhead_ms
 from fxckpt.graph.memory import Problem, simulate
 from fxckpt.options import Options
 from fxckpt.passes.budget import (
     Storage,
-    bandwidth_bytes_per_ms,
     build_problem,
     copy_buckets,
     forced_offloads,
@@ -104,9 +102,13 @@ class RoundPlanner:
         blocks: BlockFacts,
         num_fwd_outputs: int,
         requests: Set[str],
+        assumed: dict[str, dict[str, Any]],
     ) -> None:
         self.options, self.budget, self.device = options, budget, device
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
+        # What copies cost (graph.costs.assumptions): the plan records these very figures.
+        self.bytes_per_ms = float(assumed["bandwidth_bytes_per_s"]["value"]) / 1e3
+        self.copy_overhead_ms = float(assumed["copy_overhead_ms"]["value"])
 
     def decide(
         self,
@@ -139,14 +141,14 @@ class RoundPlanner:
             part.fw,
             fw_ms,
             bw_ms,
-            bandwidth_bytes_per_ms(opts, self.device),
+            self.bytes_per_ms,
             offloadable=offloadable,
             forced=forced,
             allow_recompute=budget is not None and allow_recompute,
             cost_model=opts.cost_model,
             device=self.device,
             not_recomputable=stuck,
-            copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
+            copy_overhead_ms=self.copy_overhead_ms,
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
@@ -169,11 +171,13 @@ class RoundPlanner:
         if pick is None:
             pick = choose(problem, facts, budget, opts.prefetch)
         decision = _decision(pick, storages, flops, forced_why, budget)
-        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute)
+        pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
+        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute, pinned=pinned)
 
 
 def _host_tiers(
-    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool
+    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool,
+    pinned: bool = False,
 ) -> RoundDecision:
     """The decision with every offload given a tier under ``host_budget``: host memory, the
     disk tier, or (the host being short and no disk taking it) a single-op recompute or a
@@ -181,7 +185,7 @@ def _host_tiers(
     before = [decision.kind_of(s.key) for s in decision.storages]
     host, changed = place_tiers(
         decision.problem, decision.storages, decision.choices, options,
-        allow_recompute=allow_recompute and budget is not None, report=None,
+        allow_recompute=allow_recompute and budget is not None, report=None, pinned=pinned,
     )  # fmt: skip
     if not changed:
         return dataclasses.replace(decision, host=host)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -132,11 +133,12 @@ class Attempt:
 def plan_rounds(
     start: Attempt, budget: int | None, *, source: fx.GraphModule,
     cut: Callable[..., GraphPair], blocks: BlockFacts, options: Options, device: torch.device,
-    num_fwd_outputs: int, requests: set[str], search_blocks: bool, graph_name: str,
+    num_fwd_outputs: int, requests: set[str], assumed: dict[str, dict[str, Any]],
+    search_blocks: bool, graph_name: str,
 ) -> Attempt:
     """Planning rounds (pipeline step 6) from ``start``'s partition under ``budget``; neither
     ``source`` nor ``start`` is changed, so another budget can start again from them."""
-    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests)
+    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
     part, report, segment_ms, rounds = start.part, start.report, start.segment_ms, Rounds()
     with step(graph_name, "plan round 0"):
         decision = planner.decide(part, search_blocks=search_blocks)
