@@ -141,6 +141,30 @@ def parse_bandwidth(value: Any, option: str) -> float | None:
     return rate
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d{1,2}))?\s*(ms|us|µs|s)?",
+                       re.IGNORECASE)
+_MS_PER = {"ms": 1.0, "us": 1e-3, "µs": 1e-3, "s": 1e3, None: 1.0}
+
+
+def parse_duration_ms(value: Any, option: str) -> float:
+    """Return a duration in milliseconds: a non-negative number (ms) or a string such as
+    ``"0.05ms"``, ``"50us"`` or ``"0.001s"``."""
+    accepted = 'a number of milliseconds >= 0, or a string such as "0.05ms", "50us", "0.001s"'
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise OptionsError(option, value, accepted, f"a {type(value).__name__} is not accepted")
+    if isinstance(value, str):
+        match = _DURATION.fullmatch(value.strip())
+        if match is None:
+            raise OptionsError(option, value, accepted, "not a duration")
+        digits, exponent, unit = match.groups()
+        ms = float(digits) * 10 ** int(exponent or 0) * _MS_PER[unit and unit.lower()]
+    else:
+        ms = float(value)
+    if not math.isfinite(ms) or ms < 0:
+        raise OptionsError(option, value, accepted, "must be finite and >= 0")
+    return ms
+
+
 def _parse_int(value: Any, option: str, low: int, high: int | None = None) -> int:
     accepted = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

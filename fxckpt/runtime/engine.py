@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fxckpt import _link
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import stats
 from fxckpt.runtime.pool import Completion
@@ -56,6 +57,7 @@ class Transfer:
     dev_stream: Any = None  # CUDA stream ``dev`` was allocated on
     error: str | None = None  # an injected failure (CUDA has no worker to raise in)
     disk: Any = None  # the disk tier's DiskCopy, for a tensor that goes to a file
+    d2h_end: float = 0.0  # emulated link: when the device-to-host copy's window closes
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -192,7 +194,13 @@ def _fresh_span(rec: Transfer, part: Part) -> torch.Tensor:
 
 
 class CpuEngine:
-    """Worker threads as copy streams, futures as events."""
+    """Worker threads as copy streams, futures as events.
+
+    With a link emulated (:mod:`fxckpt._link`), each copy takes a window on its direction's
+    queue when it is handed to a worker, moves its bytes late in that window, and completes
+    (its future resolves) only once the window has closed; ``copy_seconds`` then counts the
+    windows. Threads that wait for a copy sleep on its future.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -229,6 +237,19 @@ class CpuEngine:
         # outlive the pool's accounting of it (the pool may already have freed and replaced it).
         tensors = list(copies)
         del copies
+        nbytes = sum(dst.numel() for _, dst in tensors)
+        # An emulated link queues the copy now, as a copy stream would: the window is fixed
+        # in submission order, whichever worker thread runs it.
+        link = _link.current()
+        window = link.occupy("d2h", nbytes) if link is not None else None
+        if window is not None:
+            rec.d2h_end = window[1]
+
+        def move() -> None:
+            while tensors:
+                src, dst = tensors.pop()
+                dst.copy_(src)
+                del src, dst
 
         def copy() -> None:
             started = time.perf_counter()
@@ -237,11 +258,11 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("device-to-host"))
-            while tensors:
-                src, dst = tensors.pop()
-                dst.copy_(src)
-                del src, dst
-            stats.add("copy_seconds", time.perf_counter() - started)
+            if link is None or window is None:
+                move()
+                stats.add("copy_seconds", time.perf_counter() - started)
+            else:
+                stats.add("copy_seconds", link.run_window("d2h", nbytes, move, *window))
 
         stats.add("copy_handoffs", 1)
         rec.d2h = self._executors()[1].submit(copy)
@@ -261,6 +282,17 @@ class CpuEngine:
                                                              strict=True)]
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
+        nbytes = sum(host.numel() for _, host in tensors)
+        link = _link.current()
+        # Queued behind the copies before it on the H2D queue, and not before the bytes have
+        # reached the host (the D2H window's end).
+        window = link.occupy("h2d", nbytes, rec.d2h_end) if link is not None else None
+
+        def move() -> None:
+            while tensors:
+                out, host = tensors.pop()
+                out.copy_(host)
+                del out, host
 
         def copy() -> None:
             # The H2D "stream" waits for the D2H "event", like CudaEngine's wait_event.
@@ -280,11 +312,11 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("host-to-device"))
-            while tensors:
-                out, host = tensors.pop()
-                out.copy_(host)
-                del out, host
-            stats.add("copy_seconds", time.perf_counter() - started)
+            if link is None or window is None:
+                move()
+                stats.add("copy_seconds", time.perf_counter() - started)
+            else:
+                stats.add("copy_seconds", link.run_window("h2d", nbytes, move, *window))
 
         stats.add("copy_handoffs", 1)
         rec.h2d = self._executors()[2].submit(copy)
@@ -308,8 +340,13 @@ class CpuEngine:
         if fail:
             raise RuntimeError(_injected("host-to-device"))
         dev = _fresh_span(rec, rec.parts[0])
-        dev.view(torch.uint8).copy_(host)
-        stats.add("copy_seconds", time.perf_counter() - started)
+        link = _link.current()
+        if link is None:
+            dev.view(torch.uint8).copy_(host)
+            stats.add("copy_seconds", time.perf_counter() - started)
+        else:
+            busy = link.copy("h2d", host.numel(), lambda: dev.view(torch.uint8).copy_(host))
+            stats.add("copy_seconds", busy)
         return dev
 
     def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:

@@ -27,3 +27,26 @@ def hw(monkeypatch: pytest.MonkeyPatch):
     yield double
     engine.configure(copy_streams=1)
     gc.collect()
+
+
+# The slice of runtime tests that runs twice: once with copies at memcpy speed, once through
+# an emulated host link, where every copy takes at least a millisecond and completes only
+# when its window closes. Ordering bugs that only show when copies are slow fail there.
+EMULATED = "20MB/s,1ms"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "link_mode" in metafunc.fixturenames:
+        metafunc.parametrize("link_mode", ["memcpy", "emulated"], indirect=True)
+
+
+@pytest.fixture
+def link_mode(request: pytest.FixtureRequest):
+    import fxckpt
+
+    if request.param == "memcpy":
+        yield None
+        return
+    rate, overhead = EMULATED.split(",")
+    with fxckpt.emulate_link(rate, overhead_ms=overhead) as link:
+        yield link

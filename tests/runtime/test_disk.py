@@ -21,6 +21,8 @@ from fxckpt.runtime.disk import DiskTierWarning
 from fxckpt.runtime.pool import HostMemoryWarning
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 
 
 @pytest.fixture

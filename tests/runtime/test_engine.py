@@ -18,6 +18,8 @@ from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import engine, ops, pool, stats
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 RUNTIME = Path(ops.__file__).parent
 
 
@@ -209,7 +211,8 @@ def test_importing_the_ops_creates_nothing():
 
 
 def test_runtime_imports_only_errors_and_the_hardware_seams_from_the_rest_of_fxckpt():
-    # The seams: fxckpt._cuda (the GPU) and fxckpt._files (the disk tier's files).
+    # The seams: fxckpt._cuda (the GPU), fxckpt._files (the disk tier's files) and
+    # fxckpt._link (the emulated host link).
     for path in sorted(RUNTIME.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -223,7 +226,8 @@ def test_runtime_imports_only_errors_and_the_hardware_seams_from_the_rest_of_fxc
                 continue
             for name in names:
                 if name == "fxckpt" or name.startswith("fxckpt."):
-                    assert name in ("fxckpt.errors", "fxckpt._cuda", "fxckpt._files") or name.startswith(
+                    assert name in ("fxckpt.errors", "fxckpt._cuda", "fxckpt._files",
+                                    "fxckpt._link") or name.startswith(
                         "fxckpt.runtime"
                     ), (
                         f"{path.name} imports {name}"

@@ -12,6 +12,8 @@ from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import engine, ops, pool, stats
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 
 
 @pytest.fixture(autouse=True)
