@@ -70,14 +70,15 @@ class Row:
 
     def block(self, batches: list[Any], steps: int) -> None:
         import fxckpt
-        from fxckpt.backend import configure_runtime
+        from fxckpt.backend import runtime_profile
         from fxckpt.runtime import disk, pool
 
         if self.compiled is None:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
             self.compiled = torch.compile(self.model, backend=fxckpt.backend(**self.options))
-        pool.set_pool_cap(0)  # an empty pool: the high-water mark is this block's alone
-        configure_runtime(fxckpt.Options.from_mapping(self.options))
+        # Empty pools: the high-water mark is this block's alone. (Each row's compile keeps
+        # its own host pool and folder: nothing to reconfigure between rows.)
+        pool.trim_all()
         fxckpt.reset_stats()
         before: dict[str, Any] = {}
         for i in range(steps):
@@ -100,7 +101,8 @@ class Row:
                                   + after["disk_fallbacks"])  # fmt: skip
         self.high_water = max(self.high_water, int(after["host_high_water_bytes"]))
         self.timed += steps - 1
-        where = disk.current()
+        profile = runtime_profile(fxckpt.Options.from_mapping(self.options))
+        where = profile.disk if profile is not None else None
         if "offload_dir" in self.options and where is not None:
             self.o_direct = where.direct
 

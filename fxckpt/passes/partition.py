@@ -280,7 +280,9 @@ def partition(
     plan.timeline = plan_timeline
     plan.assumptions = assumed
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+        placements = _placements(fw, bw, part, decision, options, inductor)
+        profile = options.runtime_settings().key()
+        fw, bw = insert_offloads(fw, bw, placements, profile)
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
