@@ -77,7 +77,6 @@ class DiskCopy:
 _dead: collections.deque[tuple[Transfer, DiskCopy]] = collections.deque()
 _executors: dict[str, Any] = {}
 _executors_lock = threading.Lock()
-_warned = False
 _inline = False
 
 
@@ -114,11 +113,11 @@ def use_directory(root: str | None) -> disk_dir.DiskDir | None:
     own profile instead.
 
     Validates the directory (:class:`OptionsError` naming ``offload_dir``), removes what
-    killed processes left there, and re-arms the one-time warning.
+    killed processes left there, and re-arms the default profile's one-time warning.
     """
-    global _warned
-    profiles.default().disk = where = disk_dir.use_directory(root) if root is not None else None
-    _warned = False
+    default = profiles.default()
+    default.disk = where = disk_dir.use_directory(root) if root is not None else None
+    default.disk_warned = False
     return where
 
 
@@ -156,9 +155,10 @@ def shutdown() -> None:
     collect()
 
 
-def warn_once(reason: str) -> None:
-    global _warned
-    first, _warned = not _warned, True
+def warn_once(rec: Transfer, reason: str) -> None:
+    """Count a disk-tier fallback of ``rec``, and warn of the first one of its profile."""
+    profile = rec.profile
+    first, profile.disk_warned = not profile.disk_warned, True
     stats.add("disk_fallbacks", 1)
     if first:
         warnings.warn(
@@ -238,6 +238,7 @@ def _write_file(rec: Transfer, copy: DiskCopy) -> None:
         why = err.strerror or repr(err)
         code = errno.errorcode.get(err.errno or 0, "")
         warn_once(
+            rec,
             f"writing an offloaded activation to offload_dir={where.root!r} failed "
             f"({code + ': ' if code else ''}{why}); it stays in host memory, over host_budget"
         )
@@ -282,7 +283,7 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
         if buf is None:
             # The pool is full of live host copies: read through a buffer of its own (over
             # the budget for this one read) rather than fail the step.
-            warn_once("no staging buffer fits host_budget for a read from the disk tier; "
+            warn_once(rec, "no staging buffer fits host_budget for a read from the disk tier; "
                       "one read used memory outside it")
             return _read_into(rec, copy, [torch.empty(staged_bytes(rec.nbytes), dtype=torch.uint8)])
         held = [buf]

@@ -47,6 +47,7 @@ class Profile:
         # The disk tier's folder; the default profile's is set by disk.use_directory (tests,
         # tools calling the ops directly).
         self.disk = disk
+        self.disk_warned = False  # the disk tier's one-time warning (disk.warn_once)
         self.owner = SHARED if cap is None else AUTO if settings.host_budget == "auto" else str(self.key)
 
     def engine(self, device: torch.device | str) -> Engine:

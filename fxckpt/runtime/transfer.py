@@ -34,8 +34,8 @@ def as_span(src: torch.Tensor, span: int) -> torch.Tensor:
 def to_disk(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> bool:
     """Start ``rec`` on its way to the disk tier; False: it goes to host memory instead."""
     if rec.profile.disk is None:
-        disk.warn_once("a plan sent an activation to the disk tier, but its runtime profile has "
-                       "no offload_dir; it goes to host memory instead")
+        disk.warn_once(rec, "a plan sent an activation to the disk tier, but its runtime "
+                       "profile has no offload_dir; it goes to host memory instead")
         return False
     rec.src = src
     try:

@@ -191,7 +191,7 @@ def test_a_disk_tier_op_without_a_directory_goes_to_host_memory_with_one_warning
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(profiles.default(), "disk", None)
-    monkeypatch.setattr(disk, "_warned", False)
+    monkeypatch.setattr(profiles.default(), "disk_warned", False)
     srcs = [torch.randn(100), torch.randn(200)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
