@@ -9,9 +9,9 @@ One process, one model (a GPT-style decoder on the CPU), ``offload="all"``, five
    (default: a new folder in the system's temporary directory).
 
 Each row compiles its own copy of the same initial weights and trains on the same batches
-with SGD. The host pool's cap and the disk directory are per process, so the rows take turns
-in blocks of ``--block`` steps, ``--rounds`` times: each block empties the host pool, applies
-its row's runtime settings, and does not time its first step (the pool refills then). Per
+with SGD; each keeps its own host pool and disk folder (runtime settings are per compile). The
+rows take turns in blocks of ``--block`` steps, ``--rounds`` times: each block empties the
+host pools and does not time its first step (the pool refills then). Per
 row: the median step time and its ratio to the baseline's; ``host_high_water_bytes`` (the
 pool's own accounting of the host buffers it allocated, staging included, never the plan's
 figures), the most over its blocks; ``disk_bytes`` written per timed step, disk write and

@@ -28,12 +28,15 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from fxckpt.runtime import stats
 from fxckpt.runtime.slabs import Slabs, unlock_all, whole_pages
+
+if TYPE_CHECKING:
+    from fxckpt.runtime.staging import Staging
 
 MIN_CLASS_BYTES = 4096
 SUBCLASSES_PER_OCTAVE = 4
@@ -87,7 +90,7 @@ class HostPool:
         self._staging_free: dict[int, list[torch.Tensor]] = {}
         self._staging_out = 0
         self.warned = False  # the one-time fallback warning (warn_fallback)
-        self.staging: Any = None  # the disk tier's staging slots (staging.staging_of)
+        self.staging: Staging | None = None  # the disk tier's slots (staging.staging_of)
         # Addresses of the buffers this pool holds, so a memory meter can tell host buffers
         # from device tensors where both are CPU memory (an unpinned pool; slabs are mmap'd
         # pages, which torch's CPU allocator never reports).

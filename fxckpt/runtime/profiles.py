@@ -35,6 +35,8 @@ from fxckpt.runtime.engine import Engine, get_engine
 from fxckpt.runtime.pool import SHARED, HostPool, get_pool
 from fxckpt.runtime.settings import RuntimeSettings
 
+AUTO = "auto"  # the owner of the pools every profile with host_budget="auto" shares
+
 
 class Profile:
     """One set of runtime settings, with ``cap`` its host budget resolved in this process."""
@@ -48,7 +50,10 @@ class Profile:
         # tools calling the ops directly).
         self.disk = disk
         self.disk_warned = False  # the disk tier's one-time warning (disk.warn_once)
-        self.owner = SHARED if cap is None else AUTO if settings.host_budget == "auto" else str(self.key)
+        # Whose pools it draws from: its own with a budget, the shared ones without.
+        self.owner = SHARED if cap is None else str(self.key)
+        if cap is not None and settings.host_budget == "auto":
+            self.owner = AUTO
 
     def engine(self, device: torch.device | str) -> Engine:
         return get_engine(device, self.settings.copy_streams)
@@ -60,7 +65,6 @@ class Profile:
         return f"Profile({self.settings.describe()}, cap={self.cap})"
 
 
-AUTO = "auto"  # the owner of the pools every profile with host_budget="auto" shares
 _DEFAULT = Profile(RuntimeSettings(), None, None)
 _profiles: dict[str | None, Profile] = {None: _DEFAULT}
 _lock = threading.Lock()
