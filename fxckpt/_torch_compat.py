@@ -220,6 +220,15 @@ def outside_fake_mode() -> Any:
     return _disable_current_modes()
 
 
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no real storage: a FakeTensor (or a functional wrapper of one), as a
+    compiled submodule receives when dynamo's DDP optimizer runs it to propagate shapes
+    (``torch._subclasses.fake_tensor.is_fake``, in 2.11 to 2.15)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
 def register_backend_name(name: str, target: str) -> None:
     """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
     where no installed entry point has claimed the name yet: running from a source tree.
