@@ -220,6 +220,9 @@ def outside_fake_mode() -> Any:
     return _disable_current_modes()
 
 
+OpOverload = torch._ops.OpOverload  # an aten/custom op at one overload: FX call targets
+
+
 def is_fake_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` has no real storage: a FakeTensor (or a functional wrapper of one), as a
     compiled submodule receives when dynamo's DDP optimizer runs it to propagate shapes
