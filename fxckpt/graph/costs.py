@@ -9,6 +9,7 @@ import functools
 import operator
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fxckpt._torch_compat import flop_formula
@@ -152,11 +153,26 @@ def _counted_flops(node: torch.fx.Node) -> Any:
     return counter.get_total_flops()
 
 
-def flops_to_ms(flops: float, device: Any) -> float:
-    """Milliseconds for ``flops`` at the default sustained rate of ``device``'s type."""
+@dataclass(frozen=True)
+class Rates:
+    """What the ``"flops"`` model prices a node with: compute and memory-traffic rates."""
+
+    flops_per_ms: float
+    bytes_per_ms: float
+
+
+def device_rates(device: Any) -> Rates:
+    """The default rates of ``device``'s type (meta stands for a GPU)."""
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
-    rate = DEFAULT_CUDA_FLOPS_PER_MS if _gpu_like(str(kind)) else DEFAULT_CPU_FLOPS_PER_MS
-    return flops / rate
+    if _gpu_like(str(kind)):
+        return Rates(DEFAULT_CUDA_FLOPS_PER_MS, DEFAULT_CUDA_BYTES_PER_MS)
+    return Rates(DEFAULT_CPU_FLOPS_PER_MS, DEFAULT_CPU_BYTES_PER_MS)
+
+
+def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
+    """Milliseconds for ``flops`` at ``rates`` (default: the sustained rate of ``device``'s
+    type)."""
+    return flops / (rates or device_rates(device)).flops_per_ms
 
 
 @functools.cache
@@ -268,14 +284,15 @@ def _profile_ms(node: torch.fx.Node, device: str, repeats: int = 5) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
+def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates | None = None
+                 ) -> float:
     """Estimated milliseconds to (re)compute ``node``.
 
     - ``"unit"``: 1.0 per compute node, 0.0 for views, ``getitem`` and non-calls
       (deterministic, for tests);
     - ``"flops"``: the larger of :func:`flops_to_ms` of :func:`node_flops` and the time to
       move the node's inputs and outputs once (which prices elementwise ops, that have no
-      FLOP formula);
+      FLOP formula), at ``rates`` (default: ``device``'s, :func:`device_rates`);
     - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
       CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
     """
@@ -291,10 +308,11 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
             return _profile_ms(node, name)
         except Exception:
             pass
-    return max(flops_to_ms(node_flops(node), name), _traffic_ms(node, name))
+    rates = rates or device_rates(name)
+    return max(flops_to_ms(node_flops(node), name, rates), _traffic_ms(node, rates))
 
 
-def _traffic_ms(node: torch.fx.Node, device: str) -> float:
+def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
     """Milliseconds to read a node's tensor inputs and write its outputs once."""
     import torch
 
@@ -308,5 +326,4 @@ def _traffic_ms(node: torch.fx.Node, device: str) -> float:
                 for s in v.shape:
                     numel *= s if isinstance(s, int) else 4096
                 total += numel * v.element_size()
-    rate = DEFAULT_CUDA_BYTES_PER_MS if _gpu_like(device) else DEFAULT_CPU_BYTES_PER_MS
-    return total / rate
+    return total / rates.bytes_per_ms
