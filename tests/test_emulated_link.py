@@ -4,6 +4,7 @@ cannot be faster than its copies. Lower bounds only: nothing here asserts an upp
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -84,3 +85,32 @@ def test_a_step_under_the_environment_link_takes_at_least_its_copies() -> None:
     assert got["bytes"] == got["back"] > 0
     assert got["took"] >= got["bytes"] / bandwidth
     assert got["copy"] >= 2 * got["bytes"] / bandwidth
+
+
+def test_a_plan_compiled_under_the_link_assumes_the_link() -> None:
+    torch.manual_seed(0)
+    model, inputs = GPT(n_layers=2), gpt_inputs()
+    with fxckpt.emulate_link("50MB/s", overhead_ms=0.2):
+        torch.compile(model, backend=fxckpt.backend(compiler="eager", memory_budget=0.5))(
+            *inputs).backward()
+        emulated = fxckpt.last_plans()[0].assumptions
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        chosen = fxckpt.backend(compiler="eager", memory_budget=0.5, bandwidth="1GB/s")
+        torch.compile(copy_model(model), backend=chosen)(*inputs).backward()
+        told = fxckpt.last_plans()[0].assumptions
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    torch.compile(copy_model(model), backend=fxckpt.backend(compiler="eager", memory_budget=0.5))(
+        *inputs).backward()
+    plain = fxckpt.last_plans()[0].assumptions
+    assert emulated["bandwidth_bytes_per_s"] == {"value": 50e6, "source": "emulated"}
+    assert emulated["link_overhead_ms"] == {"value": pytest.approx(0.2), "source": "emulated"}
+    assert told["bandwidth_bytes_per_s"] == {"value": 1e9, "source": "option"}
+    assert told["link_overhead_ms"] == {"value": pytest.approx(0.2), "source": "emulated"}
+    assert plain["bandwidth_bytes_per_s"]["source"] == "measured"
+    assert plain["link_overhead_ms"] == {"value": 0.0, "source": "default"}
+
+
+def copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)

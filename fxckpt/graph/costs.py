@@ -327,3 +327,43 @@ def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
                     numel *= s if isinstance(s, int) else 4096
                 total += numel * v.element_size()
     return total / rates.bytes_per_ms
+
+
+def assumptions(options: Any, device: Any) -> dict[str, dict[str, Any]]:
+    """What the cost model assumes for one compile on ``device``, and where each figure came
+    from: ``"option"`` (the user's), ``"emulated"`` (the CPU engine's emulated link,
+    :mod:`fxckpt._link`), ``"measured"`` (a probe on this machine) or ``"default"`` (a table).
+
+    Keys: ``bandwidth_bytes_per_s`` (host link, each way), ``link_overhead_ms`` (each copy's
+    fixed time on its queue), ``copy_overhead_ms`` (host time per offloaded copy, never
+    hidden), ``compute_flops_per_s`` and ``memory_bytes_per_s`` (the ``"flops"`` model's rates).
+    """
+    from fxckpt import _link
+
+    name = device if isinstance(device, str) else str(device)
+    link = _link.spec() if name.startswith("cpu") else None
+    cost_model = options.cost_model
+
+    def fig(value: float, source: str) -> dict[str, Any]:
+        return {"value": float(value), "source": source}
+
+    if options.bandwidth is not None:
+        bandwidth = fig(options.bandwidth, "option")
+    elif link is not None:
+        bandwidth = fig(link.bandwidth, "emulated")
+    elif cost_model == "unit":
+        bandwidth = fig(1e9, "default")  # deterministic: 1 MB per unit step
+    elif name.startswith("meta"):
+        bandwidth = fig(DEFAULT_PCIE_BYTES_PER_MS * 1e3, "default")
+    else:
+        bandwidth = fig(measure_bandwidth(device) * 1e3, "measured")
+    rates = device_rates(name)
+    out = {
+        "bandwidth_bytes_per_s": bandwidth,
+        "link_overhead_ms": (fig(link.overhead_s * 1e3, "emulated") if link is not None
+                             and cost_model != "unit" else fig(0.0, "default")),
+        "copy_overhead_ms": fig(copy_overhead_ms(device, cost_model), "default"),
+        "compute_flops_per_s": fig(rates.flops_per_ms * 1e3, "default"),
+        "memory_bytes_per_s": fig(rates.bytes_per_ms * 1e3, "default"),
+    }
+    return out

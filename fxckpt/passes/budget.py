@@ -16,7 +16,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.costs import is_random, measure_bandwidth, node_cost_ms, node_flops
+from fxckpt.graph.costs import assumptions, is_random, node_cost_ms, node_flops
 from fxckpt.graph.memory import Candidates, Problem, Timeline
 from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
@@ -78,11 +78,13 @@ def build_problem(
     device: torch.device,
     not_recomputable: Set[str] = frozenset(),
     copy_overhead_ms: float = 0.0,
+    link_overhead_ms: float = 0.0,
 ) -> tuple[Problem, dict[str, float]]:
     """The solver's view of one graph: a timeline of node costs and one row per storage.
 
     ``not_recomputable``: activation names that min-cut would not recompute when asked.
-    ``copy_overhead_ms``: the engine's fixed host cost per offloaded tensor.
+    ``copy_overhead_ms``: the engine's fixed host cost per offloaded tensor;
+    ``link_overhead_ms``: each copy's fixed time on its queue.
     """
     F = len(fw_step_ms)
     T = F + len(bw_step_ms)
@@ -114,6 +116,7 @@ def build_problem(
         num_forward=F,
         bandwidth_bytes_per_ms=max(bytes_per_ms, 1e-9),
         copy_overhead_ms=copy_overhead_ms,
+        link_overhead_ms=link_overhead_ms,
     )
     candidates = Candidates(
         bytes=cols["b"],
@@ -271,11 +274,8 @@ def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> lis
 
 
 def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
-    if options.bandwidth is not None:
-        return float(options.bandwidth) / 1e3
-    if options.cost_model == "unit":
-        return 1e6  # deterministic: 1 MB per unit step
-    return measure_bandwidth(device)
+    """The host link's bandwidth the plan assumes (:func:`fxckpt.graph.costs.assumptions`)."""
+    return assumptions(options, device)["bandwidth_bytes_per_s"]["value"] / 1e3
 
 
 def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.device) -> float:

@@ -45,6 +45,7 @@ from fxckpt.graph.activations import (
     saved_activations,
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
+from fxckpt.graph.costs import assumptions
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
@@ -275,6 +276,7 @@ def partition(
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
     plan.timeline = plan_timeline
+    plan.assumptions = assumptions(options, device)
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
         payload = record(plan)

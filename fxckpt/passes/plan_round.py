@@ -24,12 +24,11 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import copy_overhead_ms
+from fxckpt.graph.costs import assumptions
 from fxckpt.graph.memory import Problem, simulate
 from fxckpt.options import Options
 from fxckpt.passes.budget import (
     Storage,
-    bandwidth_bytes_per_ms,
     build_problem,
     copy_buckets,
     forced_offloads,
@@ -134,19 +133,21 @@ class RoundPlanner:
             return None
         fw_ms = step_costs(part.fw, opts.cost_model, self.device)
         bw_ms = step_costs(part.bw, opts.cost_model, self.device)
+        figures = assumptions(opts, self.device)
         problem, flops = build_problem(
             storages,
             part.fw,
             fw_ms,
             bw_ms,
-            bandwidth_bytes_per_ms(opts, self.device),
+            figures["bandwidth_bytes_per_s"]["value"] / 1e3,
             offloadable=offloadable,
             forced=forced,
             allow_recompute=budget is not None and allow_recompute,
             cost_model=opts.cost_model,
             device=self.device,
             not_recomputable=stuck,
-            copy_overhead_ms=copy_overhead_ms(self.device, opts.cost_model),
+            copy_overhead_ms=figures["copy_overhead_ms"]["value"],
+            link_overhead_ms=figures["link_overhead_ms"]["value"],
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
