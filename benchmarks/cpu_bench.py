@@ -167,11 +167,13 @@ def run_suite(
     rows: dict[str, dict[str, Any]] = {}
     ref_grads: dict[str, torch.Tensor] = {}
     full_ckpt_bytes: int | None = None
+    measured: dict[str, int] = {}  # uncompiled methods' bytes after their forward
 
     # 1. First step of each method: compile, saved bytes, gradients against eager.
     for spec in specs:
         model = copy.deepcopy(base)
-        runner = build_runner(spec, model, device, compiler, budget_bytes=full_ckpt_bytes)
+        runner = build_runner(spec, model, device, compiler, budget_bytes=full_ckpt_bytes,
+                              measured=measured)
         counter = SavedCounter(model.parameters(), device)
         fxckpt.reset_stats()
         _sync(device)
@@ -207,6 +209,8 @@ def run_suite(
             row["plan_decisions"] = _decisions(plans)
             row["plan_budget_bytes"] = [p.budget_bytes for p in plans]
             row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
+        if meter is not None and meter.result is not None:
+            measured[spec.name] = meter.result.held_bytes
         if spec.kind == "full_checkpoint":
             assert meter is not None and meter.result is not None
             full_ckpt_bytes = meter.result.held_bytes
@@ -220,7 +224,7 @@ def run_suite(
         for _ in range(warmup):
             runner.step(idx, tgt)
     for runner in runners:
-        rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[])
+        rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[], copy_s=[])
     frames = _frames_compiled()
     for r in range(repeats):
         order = runners[r % len(runners):] + runners[: r % len(runners)]
@@ -239,6 +243,7 @@ def run_suite(
                 st = _fxckpt_stats()
                 row["stall_s"].append(float(st["stall_seconds"]))
                 row["offloaded"].append(int(st["offloaded_bytes"]))
+                row["copy_s"].append(float(st["copy_seconds"]))
     recompiled = _frames_compiled() - frames
     for runner in runners:  # memory: two more steps each, not timed (the meter slows them)
         fwd = meters.forward(runner, idx, tgt)
@@ -273,6 +278,9 @@ def run_suite(
         if row["stall_s"]:
             row["stall_s_per_step"] = median(row["stall_s"])
             row["offloaded_bytes_per_step"] = int(median([float(x) for x in row["offloaded"]]))
+            row["copy_s_per_step"] = median(row["copy_s"])
+            # Per round, step and stall together: exposed copy time over that round's step.
+            row["stall_shares"] = [a / b for a, b in zip(row["stall_s"], ts, strict=True)]
         row["recompiles_while_timed"] = recompiled
     ref = compiled["compile_s"] if compiled and not compiled.get("unavailable") else None
     for row in rows.values():
@@ -281,7 +289,7 @@ def run_suite(
         else:
             row["compile_time_ratio"] = row["compile_s"] / ref
     for row in rows.values():
-        for key in ("stall_s", "offloaded"):
+        for key in ("stall_s", "offloaded", "copy_s"):
             row.pop(key, None)
     row_list = [rows[s.name] for s in specs if s.name in rows]
     for row in row_list:

@@ -262,6 +262,13 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 
 # memory_budget placeholder: the harness replaces it with full_checkpoint's measured bytes.
 AT_FULL_CHECKPOINT = "at_full_checkpoint"
+# memory_budget placeholder "at_measured:<method>[*<factor>]": that (earlier, uncompiled)
+# method's measured bytes after its forward, times the factor.
+AT_MEASURED = "at_measured:"
+
+
+def at_measured(method: str, factor: float = 1.0) -> str:
+    return f"{AT_MEASURED}{method}" + (f"*{factor:g}" if factor != 1.0 else "")
 
 
 @dataclass(frozen=True)
@@ -394,8 +401,15 @@ def fresh_backend(name: str) -> Callable[..., Any]:
 
 
 def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compiler: str,
-                 budget_bytes: int | None = None) -> Runner:
-    """``compiler``: "eager" (aot_autograd, no code generation) or "inductor"."""
+                 budget_bytes: int | None = None, measured: Mapping[str, int] | None = None,
+                 ) -> Runner:
+    """``compiler``: "eager" (aot_autograd, no code generation) or "inductor".
+
+    ``measured``: bytes each earlier uncompiled method left after its forward, for
+    :func:`at_measured` budgets. Kinds ending in ``_link`` copy through the emulated host link
+    (``fxckpt.emulate_link``) on the compute thread, as those methods copy on the compute
+    stream: ``save_on_cpu_link`` and ``torch_offload_link``.
+    """
     import torch._functorch.config as fconfig
 
     def checkpointed(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -411,10 +425,18 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
     # whose backend is the same object, and with nn-module inlining two model copies pass the
     # same guards (torch_budget would silently run "compiled"'s graph).
     plain_backend = fresh_backend("aot_eager" if compiler == "eager" else "inductor")
+    def offloaded_through_link(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor) -> torch.Tensor:
+        from benchmarks.link_peers import link_offload_hooks
+
+        with link_offload_hooks():
+            return checkpoint(layer, x, cos, sin, use_reentrant=False)
+
     kind = spec.kind
-    if kind in ("eager", "full_checkpoint", "save_on_cpu"):
+    if kind in ("eager", "full_checkpoint", "save_on_cpu", "save_on_cpu_link"):
         model.block_call = {"eager": None, "full_checkpoint": checkpointed,
-                            "save_on_cpu": offloaded}[kind]  # fmt: skip
+                            "save_on_cpu": offloaded,
+                            "save_on_cpu_link": offloaded_through_link}[kind]  # fmt: skip
         return Runner(spec, model, model, "-")
     if kind == "compiled":
         return Runner(spec, model, torch.compile(model, backend=plain_backend, dynamic=False),
@@ -424,12 +446,15 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         return Runner(spec, model, torch.compile(model, backend=plain_backend, dynamic=False),
                       plain_backend.__name__, dict(spec.options),
                       lambda: fconfig.patch(activation_memory_budget=budget))
-    if kind == "torch_offload":
+    if kind in ("torch_offload", "torch_offload_link"):
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
-        be = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                          partition_fn=_offload_everything_partition)
+        from benchmarks.link_peers import offload_everything_through_link
+
+        part = (_offload_everything_partition if kind == "torch_offload"
+                else offload_everything_through_link)
+        be = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=part)
         return Runner(spec, model, torch.compile(model, backend=be, dynamic=False), "aot_eager",
                       {"enable_activation_offloading": True},
                       lambda: fconfig.patch(enable_activation_offloading=True))
@@ -441,6 +466,11 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
             if budget_bytes is None:
                 raise ValueError(f"{spec.name} needs full_checkpoint's measured bytes first")
             options["memory_budget"] = int(budget_bytes)
+        elif str(options.get("memory_budget", "")).startswith(AT_MEASURED):
+            source, _, factor = options["memory_budget"][len(AT_MEASURED):].partition("*")
+            if measured is None or source not in measured:
+                raise ValueError(f"{spec.name} needs {source}'s measured bytes first")
+            options["memory_budget"] = int(measured[source] * float(factor or 1.0))
         options["compiler"] = compiler
         call = torch.compile(model, backend="fxckpt", options=options, dynamic=False)
         return Runner(spec, model, call, f"fxckpt/{compiler}", options)

@@ -35,20 +35,27 @@ class LinkSpec:
     bandwidth: float
     overhead_s: float = 0.0
     source: str = "emulate_link"  # who set it: "emulate_link", ENV_VAR, or a target's name
+    # How much longer this machine's compute takes than fxckpt's CPU cost model assumes, as
+    # measured when a target's link was derived: the planner scales its compute estimates by
+    # it, so that it sees the same copy-to-compute ratio the link was sized for.
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.bandwidth < float("inf")):
             raise ValueError(f"an emulated link needs a positive, finite bandwidth, got {self.bandwidth!r}")
         if not (0 <= self.overhead_s < float("inf")):
             raise ValueError(f"an emulated link's overhead must be >= 0 s, got {self.overhead_s!r}")
+        if not (0 < self.compute_scale < float("inf")):
+            raise ValueError(f"compute_scale must be positive and finite, got {self.compute_scale!r}")
 
     def copy_seconds(self, nbytes: int) -> float:
         """How long one copy of ``nbytes`` occupies its queue."""
         return self.overhead_s + nbytes / self.bandwidth
 
     def describe(self) -> str:
+        scale = f", compute x{self.compute_scale:.3g}" if self.compute_scale != 1.0 else ""
         return (f"{self.bandwidth / 1e6:.6g} MB/s each way, {self.overhead_s * 1e3:.3g} ms per "
-                f"copy ({self.source})")
+                f"copy{scale} ({self.source})")
 
 
 class Link:

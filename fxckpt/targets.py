@@ -118,11 +118,7 @@ def block_figures(model: nn.Module, inputs: tuple[Any, ...], rates: Rates, *,
     """Trace one training step of ``model`` through AOTAutograd and torch's min-cut, and price
     its repeated blocks at ``rates``. ``meta``: the model and inputs live on ``meta`` (a GPU
     stands behind them: attention takes a GPU's kernels); otherwise one real forward runs."""
-    from fxckpt._torch_compat import (
-        aot_autograd,
-        make_boxed_func,
-        min_cut_rematerialization_partition,
-    )
+    from fxckpt._torch_compat import aot_autograd, boxed_nop, min_cut_rematerialization_partition
     from fxckpt.graph.activations import saved_activations
     from fxckpt.graph.blocks import find_blocks
     from fxckpt.graph.costs import node_cost_ms
@@ -147,10 +143,7 @@ def block_figures(model: nn.Module, inputs: tuple[Any, ...], rates: Rates, *,
         got.update(blocks=len(blocks.blocks), saved=sum(seen.values()), fw=fw_ms, bw=bw_ms)
         return fw, bw
 
-    def nop(gm: Any, _inputs: Any) -> Any:
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition)
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
     torch._dynamo.reset()
     try:
         with _offline() if meta else contextlib.nullcontext():
@@ -185,6 +178,12 @@ class Derivation:
     bandwidth: float  # bytes/s each way
     overhead_ms: float
 
+    @property
+    def compute_scale(self) -> float:
+        """This model's forward here over the cost model's estimate of it: what the planner
+        scales its compute estimates by under this link."""
+        return self.model_forward_ms / self.model_figures.forward_ms
+
     def describe(self) -> str:
         t, m = self.target_figures, self.model_figures
         return "\n".join([
@@ -197,7 +196,8 @@ class Derivation:
             f"  copy-to-compute ratio per block: {self.target_ratio:.3f}",
             f"this model: {m.blocks} blocks, per block {m.saved_bytes / 2**20:.2f} MiB saved, "
             f"forward {self.model_forward_ms:.2f} ms ({self.forward_source}; cost model "
-            f"{m.forward_ms:.2f} ms)",
+            f"{m.forward_ms:.2f} ms, so the planner's compute is scaled by "
+            f"{self.compute_scale:.3g})",
             f"  emulated link: {self.bandwidth / 1e6:.1f} MB/s each way, "
             f"{self.overhead_ms:.4f} ms per copy -> ratio {self.target_ratio:.3f}",
         ])

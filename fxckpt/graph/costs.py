@@ -169,6 +169,21 @@ def device_rates(device: Any) -> Rates:
     return Rates(DEFAULT_CPU_FLOPS_PER_MS, DEFAULT_CPU_BYTES_PER_MS)
 
 
+def planning_rates(device: Any) -> tuple[Rates, str]:
+    """The rates the planner prices compute with on ``device``, and their source: the
+    defaults, or (CPU, under an emulated link derived from a target) the defaults scaled to
+    this machine's measured compute, ``"emulated"``."""
+    from fxckpt import _link
+
+    rates = device_rates(device)
+    name = device if isinstance(device, str) else str(device)
+    link = _link.spec() if name.startswith("cpu") else None
+    if link is None or link.compute_scale == 1.0:
+        return rates, "default"
+    scale = link.compute_scale
+    return Rates(rates.flops_per_ms / scale, rates.bytes_per_ms / scale), "emulated"
+
+
 def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
     """Milliseconds for ``flops`` at ``rates`` (default: the sustained rate of ``device``'s
     type)."""
@@ -292,7 +307,7 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates
       (deterministic, for tests);
     - ``"flops"``: the larger of :func:`flops_to_ms` of :func:`node_flops` and the time to
       move the node's inputs and outputs once (which prices elementwise ops, that have no
-      FLOP formula), at ``rates`` (default: ``device``'s, :func:`device_rates`);
+      FLOP formula), at ``rates`` (default: :func:`planning_rates` of ``device``);
     - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
       CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
     """
@@ -308,7 +323,7 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates
             return _profile_ms(node, name)
         except Exception:
             pass
-    rates = rates or device_rates(name)
+    rates = rates or planning_rates(name)[0]
     return max(flops_to_ms(node_flops(node), name, rates), _traffic_ms(node, rates))
 
 
@@ -357,13 +372,13 @@ def assumptions(options: Any, device: Any) -> dict[str, dict[str, Any]]:
         bandwidth = fig(DEFAULT_PCIE_BYTES_PER_MS * 1e3, "default")
     else:
         bandwidth = fig(measure_bandwidth(device) * 1e3, "measured")
-    rates = device_rates(name)
+    rates, rates_source = planning_rates(name)
     out = {
         "bandwidth_bytes_per_s": bandwidth,
         "link_overhead_ms": (fig(link.overhead_s * 1e3, "emulated") if link is not None
                              and cost_model != "unit" else fig(0.0, "default")),
         "copy_overhead_ms": fig(copy_overhead_ms(device, cost_model), "default"),
-        "compute_flops_per_s": fig(rates.flops_per_ms * 1e3, "default"),
-        "memory_bytes_per_s": fig(rates.bytes_per_ms * 1e3, "default"),
+        "compute_flops_per_s": fig(rates.flops_per_ms * 1e3, rates_source),
+        "memory_bytes_per_s": fig(rates.bytes_per_ms * 1e3, rates_source),
     }
     return out

@@ -307,6 +307,8 @@ def timeline(problem: Problem, resident: list[int], budget: int | None, points: 
     return {
         "forward_end": F // step_,
         "positions": T,
+        # The cost model's compute for the step (before what the plan adds: est_overhead_ms).
+        "compute_ms": float(sum(problem.timeline.step_ms)),
         "stride": step_,
         "baseline": pool(keep_all),
         "plan": pool(resident),
