@@ -147,11 +147,13 @@ def run_suite(
     tolerances: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
     probe: Callable[[Runner, torch.Tensor, torch.Tensor, dict[str, Any]], None] | None = None,
+    before_step: Callable[[Runner, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for every spec at one sequence length; ``specs[0]`` must be eager.
 
     ``probe(runner, idx, targets, row)``, if given, runs once per method after the timed
-    rounds and may add fields to the row (gpu_check's memory probes).
+    rounds and may add fields to the row (gpu_check's memory probes). ``before_step(runner,
+    row)`` runs before each timed step, untimed (gpu_shaped's link calibration).
     """
     import fxckpt
 
@@ -230,6 +232,8 @@ def run_suite(
         order = runners[r % len(runners):] + runners[: r % len(runners)]
         for runner in order:
             row = rows[runner.name]
+            if before_step is not None:
+                before_step(runner, row)
             fxckpt.reset_stats()
             _sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import goals as g
 from benchmarks import pareto
 from benchmarks.cpu_bench import machine_info, run_suite, warm_compilers
+from benchmarks.gpu_shaped_goals import PLAN_AT_FULL, PLAN_FITS, extras, goal_records
 from benchmarks.methods import (
     AT_FULL_CHECKPOINT,
     Decoder,
@@ -57,10 +57,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 QUICK = DecoderConfig("qwen3-shaped-quick", vocab=512, d=160, heads=4, kv_heads=2, head_dim=40,
                       layers=6, ffn=448, style="qwen3")
 FULL = replace(QUICK, name="qwen3-shaped", vocab=1024, d=256, head_dim=64, layers=8, ffn=704)
-# The row each goal reads (see goal_records).
-PLAN_AT_FULL = "fxckpt_at_full_ckpt"
-PLAN_FITS = "fxckpt_fits"
-PLAN_AT_SOC = "fxckpt_at_save_on_cpu"
+FREE_LINK = "1TB/s"  # the ablation rows plan as if copies cost nothing
 
 
 def method_specs(quick: bool) -> list[MethodSpec]:
@@ -86,36 +83,65 @@ def method_specs(quick: bool) -> list[MethodSpec]:
         *(fx(f"fxckpt_stride{s}", f"segment_stride={s}", segment_stride=s)
           for s in ((1, 2) if quick else (1, 2, 4))),
         fx(PLAN_FITS, "memory_budget=1.0: what plain min-cut already meets", memory_budget=1.0),
-        fx("fxckpt_budget0.5", "memory_budget=0.5 (of min-cut's saved bytes)", memory_budget=0.5),
-        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's measured bytes",
+        *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of min-cut's saved bytes)",
+             memory_budget=b) for b in ((0.5, 0.25, 0.15) if quick else (0.5, 0.35, 0.25, 0.15))),
+        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's bytes after its forward",
            memory_budget=AT_FULL_CHECKPOINT),
-        fx(PLAN_AT_SOC, "memory_budget = save_on_cpu's measured bytes",
-           memory_budget=at_measured("save_on_cpu")),
         fx("fxckpt_half_full_ckpt", "memory_budget = half of full_checkpoint's bytes",
            memory_budget=at_measured("full_checkpoint", 0.5)),
+        # What pricing the link moves: the same budgets, planned as if copies were free.
+        fx("fxckpt_budget0.25_free_link", f"memory_budget=0.25, planned at bandwidth={FREE_LINK}",
+           memory_budget=0.25, bandwidth=FREE_LINK),
+        fx("fxckpt_at_full_ckpt_free_link",
+           f"memory_budget = full_checkpoint's bytes, planned at bandwidth={FREE_LINK}",
+           memory_budget=AT_FULL_CHECKPOINT, bandwidth=FREE_LINK),
     ]
     return specs
 
 
-def block_forward_ms(cfg: DecoderConfig, batch: int, seq: int, repeats: int = 3) -> float:
-    """This model's forward per block, measured in eager (training mode, autograd on)."""
-    torch.manual_seed(0)
-    model = Decoder(cfg)
-    idx, tgt = make_batch(cfg, batch, seq, "cpu")
-    times: list[float] = []
-    start: list[float] = []
-    hooks = []
-    for layer in model.layers:
-        hooks.append(layer.register_forward_pre_hook(lambda *_: start.append(time.perf_counter())))
-        hooks.append(layer.register_forward_hook(
-            lambda *_: times.append(time.perf_counter() - start.pop())))
-    model(idx, tgt)  # warm-up
-    times.clear()
-    for _ in range(repeats):
+class LinkClock:
+    """This model's forward per block, measured here and now: one block of an eager copy of
+    the model (training mode, autograd on), median of five calls.
+
+    Called before every timed step, it rescales the emulated link by how much slower (or
+    faster) compute runs than when the link was sized: other processes' load slows compute
+    but not wall-clock copies, and would otherwise make copies look cheaper (or dearer) than
+    the target's ratio.
+    """
+
+    def __init__(self, cfg: DecoderConfig, batch: int, seq: int) -> None:
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        idx, tgt = make_batch(cfg, batch, seq, "cpu")
+        seen: list[tuple[Any, ...]] = []
+        hook = model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args))
         model(idx, tgt)
-    for h in hooks:
-        h.remove()
-    return 1e3 * statistics.median(times)
+        hook.remove()
+        self.block, self.args = model.layers[0], tuple(a.detach() for a in seen[0])
+        self.planned_ms: float | None = None
+        self.scales: list[float] = []
+
+    def measure(self) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            self.block(*self.args)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def size(self) -> float:
+        self.measure()  # warm-up
+        self.planned_ms = self.measure()
+        return self.planned_ms
+
+    def __call__(self, runner: Runner, row: dict[str, Any]) -> None:
+        import fxckpt.emulation
+
+        assert self.planned_ms is not None
+        scale = self.measure() / self.planned_ms
+        fxckpt.emulation.rescale_link(scale)
+        row.setdefault("link_scales", []).append(scale)
+        self.scales.append(scale)
 
 
 def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[str, Any]) -> None:
@@ -144,120 +170,6 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
     }
 
 
-def paired(by: dict[str, dict[str, Any]], a: str, b: str) -> list[float]:
-    return [x / y for x, y in zip(by[a]["step_s"], by[b]["step_s"], strict=True)]
-
-
-def _ok(by: dict[str, dict[str, Any]], *names: str) -> str | None:
-    for n in names:
-        if n not in by or by[n].get("unavailable"):
-            return f"row {n} did not run" + (f": {by[n]['unavailable']}" if n in by else "")
-        if not by[n].get("grads_match", True):
-            return f"row {n}'s gradients differ from eager's"
-    return None
-
-
-def goal_records(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The five goals from the rows; every figure measured, none read from a plan but the
-    simulator's own prediction in the first."""
-    out: dict[str, dict[str, Any]] = {}
-    th = g.THRESHOLDS
-
-    def record(key: str, figure: float | None, inputs: dict[str, Any], skipped: str | None = None,
-               failed: str | None = None) -> None:
-        rec = g.goal(figure, th[key][0], better=th[key][1], inputs=inputs, label="emulated",
-                     skipped=skipped)
-        if failed is not None and skipped is None:
-            rec["verdict"], rec["inputs"]["why_not_met"] = g.NOT_MET, failed
-        out[key] = rec
-
-    # 1. The whole step's measured peak against the simulator's, at the full-checkpoint budget.
-    why = _ok(by, PLAN_AT_FULL)
-    r = by.get(PLAN_AT_FULL, {})
-    plan = r.get("plan") or {}
-    if why is None and plan.get("resident_peak_bytes"):
-        predicted, measured = plan["resident_peak_bytes"], r["peak_bytes"]
-        budget = (plan["budget_bytes"] or [None])[0]
-        record("peak_vs_simulator", abs(measured - predicted) / predicted,
-               {"row": PLAN_AT_FULL, "measured_step_peak_bytes": measured,
-                "simulated_peak_bytes": predicted, "budget_bytes": budget,
-                "what_the_simulator_counts": "saved activations resident at each position of "
-                "the step; not the backward's gradients and temporaries"},
-               failed=None if budget is None or measured <= budget else
-               "the measured step peak is over the budget")
-    else:
-        record("peak_vs_simulator", None, {}, skipped=why or "the plan has no simulated peak")
-    # 2. At full-checkpointing memory, against full checkpointing.
-    why = _ok(by, PLAN_AT_FULL, "full_checkpoint")
-    if why is None:
-        ratios = paired(by, PLAN_AT_FULL, "full_checkpoint")
-        budget = by["full_checkpoint"]["measured_resident_bytes"]
-        held = by[PLAN_AT_FULL]["measured_resident_bytes"]
-        record("at_full_ckpt_memory", median(ratios),
-               {"row": PLAN_AT_FULL, "per_round": ratios, "budget_bytes": budget,
-                "held_after_forward_bytes": held},
-               failed=None if held <= budget else "the plan held more than the budget")
-    else:
-        record("at_full_ckpt_memory", None, {}, skipped=why)
-    # 3. A budget plain min-cut meets: no overhead over plain torch.compile.
-    why = _ok(by, PLAN_FITS, "compiled")
-    if why is None:
-        ratios = paired(by, PLAN_FITS, "compiled")
-        record("no_offload_overhead", median(ratios),
-               {"row": PLAN_FITS, "per_round": ratios,
-                "offloaded_bytes": (by[PLAN_FITS].get("plan") or {}).get("offloaded_bytes")})
-    else:
-        record("no_offload_overhead", None, {}, skipped=why)
-    # 4. Against save_on_cpu at equal measured peak (the whole step's).
-    why = _ok(by, PLAN_AT_SOC, "save_on_cpu")
-    if why is None:
-        ratios = paired(by, "save_on_cpu", PLAN_AT_SOC)
-        mine, theirs = by[PLAN_AT_SOC]["peak_bytes"], by["save_on_cpu"]["peak_bytes"]
-        record("vs_save_on_cpu", median(ratios),
-               {"row": PLAN_AT_SOC, "per_round": ratios, "step_peak_bytes": mine,
-                "save_on_cpu_step_peak_bytes": theirs},
-               failed=None if mine <= theirs else "fxckpt's step peak is above save_on_cpu's")
-    else:
-        record("vs_save_on_cpu", None, {}, skipped=why)
-    # 5. Exposed copy time where the plan says every copy is hidden.
-    hidden = [n for n, r in by.items() if not r.get("unavailable") and r.get("plan")
-              and r["plan"]["offloads"] and r["plan"]["offloads"] == r["plan"]["offloads_hidden"]]
-    if hidden:
-        shares = {n: median(by[n]["stall_shares"]) for n in hidden}
-        worst = max(shares, key=shares.__getitem__)
-        record("exposed_copy", shares[worst],
-               {"rows": shares, "worst": worst, "stall_s_per_step": by[worst]["stall_s_per_step"],
-                "step_s": median(by[worst]["step_s"])})
-    else:
-        record("exposed_copy", None, {}, skipped="no row's plan offloads with every copy hidden")
-    return out
-
-
-def extras(by: dict[str, dict[str, Any]], bandwidth: float) -> dict[str, Any]:
-    """Per fxckpt row: the simulator's step time against the measured one, and the link check
-    (a step lasts at least its offloaded bytes over the bandwidth; the engine's copy seconds
-    at least twice that)."""
-    out: dict[str, Any] = {}
-    for n, r in by.items():
-        plan = r.get("plan")
-        if r.get("unavailable") or plan is None:
-            continue
-        step_ms = 1e3 * median(r["step_s"])
-        moved = r.get("offloaded_bytes_per_step", 0)
-        floor_s = moved / bandwidth
-        out[n] = {
-            "step_ms": step_ms,
-            "predicted_step_ms": (None if plan["compute_ms"] is None
-                                  else plan["compute_ms"] + plan["est_overhead_ms"]),
-            "offloaded_bytes_per_step": moved,
-            "step_at_least_copies": min(r["step_s"]) >= floor_s,
-            "copy_seconds_at_least_twice": r.get("copy_s_per_step", 0.0) >= 2 * floor_s - 1e-9,
-        }
-        if out[n]["predicted_step_ms"] is not None:
-            out[n]["step_vs_simulator"] = (step_ms - out[n]["predicted_step_ms"]) / step_ms
-    return out
-
-
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:.2f}"
 
@@ -276,7 +188,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"ratio per block {link['target_ratio']:.3f}, taken against this model's measured "
         f"forward of {link['forward_ms']:.2f} ms per block (the cost model said "
         f"{link['cost_model_forward_ms']:.2f} ms; the planner's compute is scaled by "
-        f"{link['compute_scale']:.3g}).",
+        f"{link['compute_scale']:.3g}); before every timed step the link was rescaled to "
+        f"compute measured then (x{link['scales']['min']:.2f} to x{link['scales']['max']:.2f}, "
+        f"median x{link['scales']['median']:.2f}), so the ratio held under other processes' "
+        "load.",
         "",
         "| method | held after fwd MiB | step peak MiB | host MiB | step ms (min-max) | vs eager "
         "| exposed copy / step | simulated step ms | grads |",
@@ -288,7 +203,7 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {r['method']} | unavailable: {r['unavailable']} |" + " |" * 7)
             continue
         e = ext.get(r["method"], {})
-        sim = e.get("predicted_step_ms")
+        sim = e.get("scaled_predicted_step_ms")
         shares = r.get("stall_shares")
         lines.append(
             f"| {r['method']} | {_mib(r['measured_resident_bytes'])} | {_mib(r['peak_bytes'])} "
@@ -338,13 +253,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="h200-pcie5", help="the link target (fxckpt.targets)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, help="sequence length (default 256 quick, 512 full)")
-    p.add_argument("--repeats", type=int, help="timed rounds (default 7 quick, 9 full)")
+    p.add_argument("--repeats", type=int, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (the other core is left to the copy threads)")
     p.add_argument("--only", nargs="+", metavar="METHOD",
-                   help="only these rows (eager, full_checkpoint and save_on_cpu always run: the "
-                        "baseline and the budgets' sources)")
+                   help="only these rows (eager, full_checkpoint, save_on_cpu and compiled always "
+                        "run: the baseline, the budgets' sources and the goals' references)")
     return p.parse_args(argv)
 
 
@@ -355,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
     seq = args.seq or (256 if args.quick else 512)
-    repeats = args.repeats or (7 if args.quick else 9)
+    repeats = args.repeats or 15
     specs = method_specs(args.quick)
     if args.only:
         names = {s.name for s in specs}
@@ -363,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"--only {' '.join(unknown)}: not a row here; choose from "
                              f"{', '.join(sorted(names))}")
-        keep = {"eager", "full_checkpoint", "save_on_cpu", *args.only}
+        keep = {"eager", "full_checkpoint", "save_on_cpu", "compiled", *args.only}
         specs = [s for s in specs if s.name in keep]
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 1024
@@ -374,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{cfg.describe()}, batch {args.batch}, seq {seq}")
     started = time.perf_counter()
     facts["compiler_warmup_s"] = round(warm_compilers(torch.device("cpu")), 1)
-    forward_ms = block_forward_ms(cfg, args.batch, seq)
+    clock = LinkClock(cfg, args.batch, seq)
+    forward_ms = clock.size()
     torch.manual_seed(0)
     d = derive(args.target, Decoder(cfg), make_batch(cfg, args.batch, seq, "cpu"),
                forward_ms=forward_ms)
@@ -390,8 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with fxckpt.emulate_link(d.bandwidth, overhead_ms=d.overhead_ms,
                              compute_scale=d.compute_scale):
         rows = run_suite(cfg, batch=args.batch, seq=seq, specs=specs, device=torch.device("cpu"),
-                         warmup=args.warmup, repeats=repeats, probe=plan_probe)
-    link_facts["forward_ms_at_end"] = block_forward_ms(cfg, args.batch, seq)
+                         warmup=args.warmup, repeats=repeats, probe=plan_probe,
+                         before_step=clock)
+    link_facts["scales"] = {"min": min(clock.scales), "median": median(clock.scales),
+                            "max": max(clock.scales)}
     facts["wall_s"] = round(time.perf_counter() - started, 1)
     facts["loadavg_end"] = list(os.getloadavg())
     by = {r["method"]: r for r in rows}

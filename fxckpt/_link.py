@@ -65,6 +65,7 @@ class Link:
         self.spec = spec
         self._lock = threading.Lock()
         self._free_at = dict.fromkeys(DIRECTIONS, 0.0)  # perf_counter time each queue frees up
+        self.scale = 1.0  # copies queued from now on take ``scale`` times their emulated time
         # Real memcpy speed seen so far (bytes/s): a copy's bytes move as late in its window as
         # that allows, so that reading them before the window closes sees stale bytes.
         self._memcpy_rate = 1e9
@@ -76,9 +77,17 @@ class Link:
         """
         with self._lock:
             start = max(time.perf_counter(), self._free_at[direction], not_before)
-            end = start + self.spec.copy_seconds(nbytes)
+            end = start + self.spec.copy_seconds(nbytes) * self.scale
             self._free_at[direction] = end
         return start, end
+
+    def rescale(self, factor: float) -> None:
+        """Copies queued from now on take ``factor`` times ``spec.copy_seconds``: a benchmark
+        that measures this machine's compute slowing down (other processes' load) slows the
+        link with it, so that the copy-to-compute ratio stays the one the link stands for."""
+        if not (0 < factor < float("inf")):
+            raise ValueError(f"a link's time scale must be positive and finite, got {factor!r}")
+        self.scale = float(factor)
 
     def overran(self, direction: str, until: float) -> None:
         """A copy's real memcpy ended after its window: the queue was busy until ``until``."""

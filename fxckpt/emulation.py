@@ -112,6 +112,21 @@ def emulate_link(
     return EmulatedLink(spec, previous, derivation)
 
 
+def rescale_link(factor: float) -> None:
+    """Copies queued from now on take ``factor`` times their emulated time, until the next
+    call. For benchmarks on a shared machine: compute slows down under other processes' load
+    and wall-clock copies do not, so a benchmark that re-measures compute can keep the
+    copy-to-compute ratio the link stands for by rescaling it. Raises when no link is emulated.
+    """
+    link = _link.current()
+    if link is None:
+        raise OptionsError("rescale_link", factor, "a call while a link is emulated "
+                           "(fxckpt.emulate_link or FXCKPT_EMULATE_LINK)")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+        raise OptionsError("factor", factor, "a positive, finite number")
+    link.rescale(float(factor))
+
+
 def emulated() -> EmulatedLink:
     """The link in force now (from :func:`emulate_link` or ``FXCKPT_EMULATE_LINK``), changing
     nothing; its ``spec`` is None when copies run at memcpy speed."""
