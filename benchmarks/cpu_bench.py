@@ -148,12 +148,16 @@ def run_suite(
     log: Callable[[str], None] = print,
     probe: Callable[[Runner, torch.Tensor, torch.Tensor, dict[str, Any]], None] | None = None,
     before_step: Callable[[Runner, dict[str, Any]], None] | None = None,
+    after: Callable[[dict[str, Runner], dict[str, dict[str, Any]], torch.Tensor, torch.Tensor],
+                    None] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for every spec at one sequence length; ``specs[0]`` must be eager.
 
     ``probe(runner, idx, targets, row)``, if given, runs once per method after the timed
     rounds and may add fields to the row (gpu_check's memory probes). ``before_step(runner,
-    row)`` runs before each timed step, untimed (gpu_shaped's link calibration).
+    row)`` runs before each timed step, untimed (gpu_shaped's link calibration);
+    ``after(runners, rows, idx, targets)`` once everything else is measured (gpu_shaped's
+    back-to-back pairs).
     """
     import fxckpt
 
@@ -260,6 +264,8 @@ def run_suite(
             probe(runner, idx, tgt, rows[runner.name])
             for p in runner.model.parameters():
                 p.grad = None
+    if after is not None:
+        after({r.name: r for r in runners}, rows, idx, tgt)
 
     # 3. Ratios against eager and compiled of the same run.
     eager = rows[specs[0].name]

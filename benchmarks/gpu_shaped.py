@@ -38,7 +38,13 @@ import torch
 
 from benchmarks import pareto
 from benchmarks.cpu_bench import machine_info, run_suite, warm_compilers
-from benchmarks.gpu_shaped_goals import PLAN_AT_FULL, PLAN_FITS, extras, goal_records
+from benchmarks.gpu_shaped_goals import (
+    PLAN_AT_FULL,
+    PLAN_FITS,
+    extras,
+    goal_pairs,
+    goal_records,
+)
 from benchmarks.methods import (
     AT_FULL_CHECKPOINT,
     Decoder,
@@ -170,6 +176,35 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
     }
 
 
+class BackToBack:
+    """After the rotated rounds: each goal's pair of rows again, ``n`` times back to back
+    (alternating which goes first), the link calibrated before every step. Neighbouring steps
+    see nearly the same load from other processes, rotated rounds up to a round apart."""
+
+    def __init__(self, clock: LinkClock, n: int) -> None:
+        self.clock, self.n = clock, n
+
+    def __call__(self, runners: dict[str, Runner], rows: dict[str, dict[str, Any]],
+                 idx: torch.Tensor, tgt: torch.Tensor) -> None:
+        import fxckpt
+
+        for a, b in goal_pairs(rows):
+            ratios = []
+            for k in range(self.n):
+                took = {}
+                for name in (a, b) if k % 2 == 0 else (b, a):
+                    runner = runners[name]
+                    self.clock(runner, rows[name])
+                    fxckpt.reset_stats()
+                    start = time.perf_counter()
+                    runner.step(idx, tgt)
+                    took[name] = time.perf_counter() - start
+                    for p in runner.model.parameters():
+                        p.grad = None
+                ratios.append(took[a] / took[b])
+            rows[a].setdefault("pairs", {})[b] = ratios
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:.2f}"
 
@@ -181,7 +216,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Date: {m['date']}; {m['cpu']}, {m['cores']} cores; torch {m['torch']}, torch threads "
         f"{m['torch_threads']}; load average {m['loadavg_start'][0]:.2f} at the start and "
         f"{m['loadavg_end'][0]:.2f} at the end; wall {m['wall_s']} s; {doc['repeats']} rotated "
-        f"rounds.  ",
+        f"rounds, then {doc['pairs']} back-to-back pairs per step-time goal.  ",
         f"Model: {doc['model_description']}, batch {doc['batch']}, seq {doc['seq']}, fp32.  ",
         f"Link: {link['bandwidth'] / 1e6:.1f} MB/s each way, {link['overhead_ms']:.4f} ms per "
         f"copy, standing for `{link['target']}` ({link['target_model']}): copy-to-compute "
@@ -255,6 +290,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, help="sequence length (default 256 quick, 512 full)")
     p.add_argument("--repeats", type=int, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--pairs", type=int, default=11,
+                   help="back-to-back pairs per step-time goal, after the rotated rounds")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (the other core is left to the copy threads)")
     p.add_argument("--only", nargs="+", metavar="METHOD",
@@ -307,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              compute_scale=d.compute_scale):
         rows = run_suite(cfg, batch=args.batch, seq=seq, specs=specs, device=torch.device("cpu"),
                          warmup=args.warmup, repeats=repeats, probe=plan_probe,
-                         before_step=clock)
+                         before_step=clock, after=BackToBack(clock, args.pairs))
     link_facts["scales"] = {"min": min(clock.scales), "median": median(clock.scales),
                             "max": max(clock.scales)}
     facts["wall_s"] = round(time.perf_counter() - started, 1)
@@ -316,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "command": command, "machine": facts, "model": cfg.__dict__,
         "model_description": cfg.describe(), "batch": args.batch, "seq": seq,
-        "repeats": repeats, "warmup": args.warmup, "link": link_facts,
+        "repeats": repeats, "pairs": args.pairs, "warmup": args.warmup, "link": link_facts,
         "goals": goal_records(by), "extras": extras(by, d.bandwidth), "rows": rows,
     }
     text = markdown(doc)

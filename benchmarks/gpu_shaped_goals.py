@@ -24,7 +24,30 @@ def planner_rows(by: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def paired(by: dict[str, dict[str, Any]], a: str, b: str) -> list[float]:
+    """Step-time ratios of ``a`` over ``b``: from their back-to-back pairs where they ran
+    some (:func:`back_to_back`), else per rotated round."""
+    pairs = by[a].get("pairs") or {}
+    if b in pairs:
+        return list(pairs[b])
+    pairs = by[b].get("pairs") or {}
+    if a in pairs:
+        return [1.0 / x for x in pairs[a]]
+    return rotated(by, a, b)
+
+
+def rotated(by: dict[str, dict[str, Any]], a: str, b: str) -> list[float]:
+    """Step-time ratios of ``a`` over ``b`` per rotated round."""
     return [x / y for x, y in zip(by[a]["step_s"], by[b]["step_s"], strict=True)]
+
+
+def goal_pairs(by: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """The (row, reference) pairs the step-time goals compare."""
+    out = [(PLAN_FITS, "compiled")] if PLAN_FITS in by and "compiled" in by else []
+    for ref in ("full_checkpoint", "save_on_cpu"):
+        row = _at_peak(by, ref) if ref in by and not by[ref].get("unavailable") else None
+        if row is not None:
+            out.append((row, ref))
+    return out
 
 
 def _ok(by: dict[str, dict[str, Any]], *names: str) -> str | None:
@@ -40,7 +63,7 @@ def _at_peak(by: dict[str, dict[str, Any]], source: str) -> str | None:
     """The fastest planner row whose measured step peak is at most ``source``'s."""
     cap = by[source]["peak_bytes"]
     fits = [n for n in planner_rows(by) if by[n]["peak_bytes"] <= cap]
-    return min(fits, key=lambda n: median(paired(by, n, source))) if fits else None
+    return min(fits, key=lambda n: median(rotated(by, n, source))) if fits else None
 
 
 def goal_records(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
