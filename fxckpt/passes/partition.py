@@ -46,6 +46,7 @@ from fxckpt.graph.activations import (
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
+from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
@@ -279,6 +280,7 @@ def partition(
     plan.assumptions = assumptions(options, device)
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
