@@ -167,6 +167,8 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
         "graphs": len(plans),
         "budget_bytes": [p.budget_bytes for p in plans],
         "resident_peak_bytes": sum(p.resident_peak_bytes for p in plans),
+        "predicted_step_peak_bytes": (sum(p.predicted_step_peak_bytes or 0 for p in plans)
+                                      if len(plans) == 1 else None),
         "baseline_saved_bytes": sum(p.baseline_saved_bytes for p in plans),
         "offloaded_bytes": sum(p.offloaded_bytes for p in plans),
         "offloads": len(offloads),
@@ -230,8 +232,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"median x{link['scales']['median']:.2f}), so the ratio held under other processes' "
         "load.",
         "",
-        "| method | held after fwd MiB | step peak MiB | host MiB | step ms (min-max) | vs eager "
-        "| exposed copy / step | simulated step ms | grads |",
+        "| method | held after fwd MiB | step peak MiB (predicted) | host MiB | step ms (min-max) "
+        "| vs eager | exposed copy / step | simulated step ms | grads |",
         "|" + "---|" * 9,
     ]
     ext = doc["extras"]
@@ -242,8 +244,10 @@ def markdown(doc: dict[str, Any]) -> str:
         e = ext.get(r["method"], {})
         sim = e.get("scaled_predicted_step_ms")
         shares = r.get("stall_shares")
+        pred = (r.get("plan") or {}).get("predicted_step_peak_bytes")
         lines.append(
-            f"| {r['method']} | {_mib(r['measured_resident_bytes'])} | {_mib(r['peak_bytes'])} "
+            f"| {r['method']} | {_mib(r['measured_resident_bytes'])} | {_mib(r['peak_bytes'])}"
+            f"{'' if pred is None else f' ({_mib(pred)})'} "
             f"| {_mib(r.get('host_saved_bytes'))} "
             f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) "
             f"| {r['step_time_ratio']:.2f}x "
