@@ -39,6 +39,14 @@ DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5
 # HOST_MEMORY_NOTES) and their events. Offline plans (meta) price a GPU's engine.
 COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
 
+# The planner places and prices copies as if they took this much longer than the link's
+# figures say: compute runs faster or slower than its estimate (another process's load, a
+# kernel the cost model misjudges) and a link delivers less than its probe (torchtitan saw
+# 32 GB/s in steps against 52 benchmarked). Through an emulated link at an H200's ratio,
+# plans made without it stalled up to 2.8 % of a step where they said "hidden"; with it,
+# the same offloads and no stall (benchmarks/gpu_shaped.py, docs/benchmarks.md).
+COPY_MARGIN = 0.5
+
 _COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
@@ -351,7 +359,9 @@ def assumptions(options: Any, device: Any) -> dict[str, dict[str, Any]]:
 
     Keys: ``bandwidth_bytes_per_s`` (host link, each way), ``link_overhead_ms`` (each copy's
     fixed time on its queue), ``copy_overhead_ms`` (host time per offloaded copy, never
-    hidden), ``compute_flops_per_s`` and ``memory_bytes_per_s`` (the ``"flops"`` model's rates).
+    hidden), ``copy_margin`` (copies are planned as taking ``1 + copy_margin`` times what the
+    link's figures say; 0 under ``cost_model="unit"``), ``compute_flops_per_s`` and
+    ``memory_bytes_per_s`` (the ``"flops"`` model's rates).
     """
     from fxckpt import _link
 
@@ -378,6 +388,7 @@ def assumptions(options: Any, device: Any) -> dict[str, dict[str, Any]]:
         "link_overhead_ms": (fig(link.overhead_s * 1e3, "emulated") if link is not None
                              and cost_model != "unit" else fig(0.0, "default")),
         "copy_overhead_ms": fig(copy_overhead_ms(device, cost_model), "default"),
+        "copy_margin": fig(0.0 if cost_model == "unit" else COPY_MARGIN, "default"),
         "compute_flops_per_s": fig(rates.flops_per_ms * 1e3, rates_source),
         "memory_bytes_per_s": fig(rates.bytes_per_ms * 1e3, rates_source),
     }

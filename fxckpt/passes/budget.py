@@ -16,7 +16,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.costs import assumptions, is_random, node_cost_ms, node_flops
+from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
 from fxckpt.graph.memory import Candidates, Problem, Timeline
 from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
@@ -271,11 +271,6 @@ def step_costs(gm: fx.GraphModule, cost_model: str, device: torch.device) -> lis
         node_cost_ms(n, cost_model, device) if n.op == "call_function" else 0.0
         for n in gm.graph.nodes
     ]
-
-
-def bandwidth_bytes_per_ms(options: Options, device: torch.device) -> float:
-    """The host link's bandwidth the plan assumes (:func:`fxckpt.graph.costs.assumptions`)."""
-    return assumptions(options, device)["bandwidth_bytes_per_s"]["value"] / 1e3
 
 
 def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.device) -> float:

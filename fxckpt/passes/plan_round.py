@@ -134,12 +134,13 @@ class RoundPlanner:
         fw_ms = step_costs(part.fw, opts.cost_model, self.device)
         bw_ms = step_costs(part.bw, opts.cost_model, self.device)
         figures = assumptions(opts, self.device)
+        slower = 1.0 + figures["copy_margin"]["value"]  # copies planned with room to spare
         problem, flops = build_problem(
             storages,
             part.fw,
             fw_ms,
             bw_ms,
-            figures["bandwidth_bytes_per_s"]["value"] / 1e3,
+            figures["bandwidth_bytes_per_s"]["value"] / 1e3 / slower,
             offloadable=offloadable,
             forced=forced,
             allow_recompute=budget is not None and allow_recompute,
@@ -147,7 +148,7 @@ class RoundPlanner:
             device=self.device,
             not_recomputable=stuck,
             copy_overhead_ms=figures["copy_overhead_ms"]["value"],
-            link_overhead_ms=figures["link_overhead_ms"]["value"],
+            link_overhead_ms=figures["link_overhead_ms"]["value"] * slower,
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
