@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-W, H, PAD_L, PAD_R, PAD_T, PAD_B = 760, 460, 70, 190, 30, 50
+W, H, PAD_L, PAD_R, PAD_T, PAD_B = 860, 520, 70, 280, 30, 50
 COLOURS = {"fxckpt": "#d62728", "torch": "#1f77b4", "eager": "#444444"}
 
 
@@ -66,19 +66,19 @@ def svg(rows: Sequence[dict[str, Any]], title: str, x_label: str, y_label: str) 
     front = frontier(list(zip(xs, ys, strict=True)))
     line = " ".join(f"{px(xs[i]):.1f},{py(ys[i]):.1f}" for i in front)
     out.append(f'<polyline points="{line}" fill="none" stroke="#999" stroke-dasharray="4 3"/>')
-    for k, r in enumerate(rows):
+    # Points carry numbers; the key on the right names them (clustered labels would collide).
+    legend_y = PAD_T + 10
+    for k, r in enumerate(rows, start=1):
         colour = COLOURS[family(r["method"])]
         cx, cy = px(r["x"]), py(r["y"])
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="{colour}"/>')
-        out.append(f'<text x="{cx + 6:.1f}" y="{cy - 4 - 9 * (k % 2):.1f}" fill="{colour}">'
-                   f'{escape(r["method"])}</text>')
-    legend_y = PAD_T + 10
-    for name, colour in COLOURS.items():
-        out.append(f'<circle cx="{W - PAD_R + 20}" cy="{legend_y}" r="4" fill="{colour}"/>')
-        out.append(f'<text x="{W - PAD_R + 30}" y="{legend_y + 4}">{name}</text>')
-        legend_y += 16
+        out.append(f'<text x="{cx + 5:.1f}" y="{cy - 5 - 8 * (k % 3):.1f}" fill="{colour}" '
+                   f'font-size="10">{k}</text>')
+        out.append(f'<text x="{W - PAD_R + 14}" y="{legend_y}" fill="{colour}">{k}: '
+                   f'{escape(r["method"])} ({r["x"]:.2f}x, {r["y"]:.1f})</text>')
+        legend_y += 14
     out.append(f'<text x="{W - PAD_R + 14}" y="{legend_y + 8}" fill="#777">dashed: the Pareto '
-               'front</text>')
+               'front; red fxckpt, blue torch, grey eager</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
