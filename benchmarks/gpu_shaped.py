@@ -87,7 +87,8 @@ def method_specs(quick: bool) -> list[MethodSpec]:
     specs += [
         fx("fxckpt_offload_all", 'offload="all"', offload="all"),
         *(fx(f"fxckpt_stride{s}", f"segment_stride={s}", segment_stride=s)
-          for s in ((1,) if quick else (1, 2, 4))),
+          for s in ((1,) if quick else (1, 2, 4, 8))),
+        *(() if quick else (fx("fxckpt_none", "no memory_budget"),)),
         fx(PLAN_FITS, "memory_budget=1.0: what plain min-cut already meets", memory_budget=1.0),
         *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of min-cut's saved bytes)",
              memory_budget=b) for b in ((0.5, 0.3, 0.25, 0.2, 0.15) if quick

@@ -7,7 +7,8 @@
 
 Each copy then occupies its direction's queue (one each way, shared by every copy stream)
 for ``overhead + bytes / bandwidth`` of wall time, and completes only when that has passed
-(:mod:`fxckpt._link`). Plans compiled meanwhile price copies with the same figures, and their
+(:mod:`fxckpt._link`). Plans compiled meanwhile price copies with the same figures (unless the
+``bandwidth`` option says otherwise: an option wins), and their
 ``assumptions`` say ``"emulated"``. ``FXCKPT_EMULATE_LINK="12MB/s"`` (or ``"12MB/s,0.05ms"``)
 does the same for a whole process, for scripts and the CLI; a call here overrides it.
 
