@@ -46,6 +46,7 @@ import torch
 
 from benchmarks.methods import (
     BASELINE_SPECS,
+    BUDGET_SOURCES,
     GPT_QUICK,
     GPT_SMALL,
     Decoder,
@@ -172,14 +173,18 @@ def run_suite(
     runners: list[Runner] = []
     rows: dict[str, dict[str, Any]] = {}
     ref_grads: dict[str, torch.Tensor] = {}
-    full_ckpt_bytes: int | None = None
-    measured: dict[str, int] = {}  # uncompiled methods' bytes after their forward
+    budgets: dict[str, int] = {}  # memory_budget placeholder -> a baseline's measured bytes
 
     # 1. First step of each method: compile, saved bytes, gradients against eager.
     for spec in specs:
         model = copy.deepcopy(base)
-        runner = build_runner(spec, model, device, compiler, budget_bytes=full_ckpt_bytes,
-                              measured=measured)
+        try:
+            runner = build_runner(spec, model, device, compiler, budgets=budgets)
+        except ValueError as e:  # its baseline did not run
+            log(f"  {spec.name}: unavailable: {e}")
+            rows[spec.name] = {**_row(spec, Runner(spec, model, model, "-"), seq, batch),
+                               "unavailable": f"ValueError: {e}"}
+            continue
         counter = SavedCounter(model.parameters(), device)
         fxckpt.reset_stats()
         _sync(device)
@@ -215,11 +220,10 @@ def run_suite(
             row["plan_decisions"] = _decisions(plans)
             row["plan_budget_bytes"] = [p.budget_bytes for p in plans]
             row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
-        if meter is not None and meter.result is not None:
-            measured[spec.name] = meter.result.held_bytes
-        if spec.kind == "full_checkpoint":
+        if spec.kind in BUDGET_SOURCES:
             assert meter is not None and meter.result is not None
-            full_ckpt_bytes = meter.result.held_bytes
+            budgets[BUDGET_SOURCES[spec.kind]] = meter.result.held_bytes
+            row["held_after_first_forward_bytes"] = meter.result.held_bytes
         rows[spec.name] = row
         runners.append(runner)
         log(f"  {spec.name:<22} first step {first_s:6.1f} s, saved (hook) "

@@ -28,17 +28,24 @@ def goal(
     inputs: dict[str, Any] | None = None,
     label: str = "measured",
     skipped: str | None = None,
+    failed: str | None = None,
 ) -> dict[str, Any]:
     """One goal's record: the figure, its threshold, what it came from, and the verdict.
 
     ``better``: ``"lower"`` (met when ``figure <= threshold``) or ``"higher"`` (met when
     ``figure >= threshold``). ``skipped``: why the goal was not measured; the verdict then
-    reads ``"skipped: <why>"``. ``label``: ``"measured"`` on a GPU, ``"emulated"`` through the
-    emulated link.
+    reads ``"skipped: <why>"``. ``failed``: why the measurement does not count (fxckpt's run
+    failed, or its peak was above the baseline it is compared with at equal memory); the
+    verdict is then ``"not met"``, whatever the figure, and ``inputs["why"]`` says why.
+    ``label``: ``"measured"`` on a GPU, ``"emulated"`` through the emulated link.
     """
     if better not in ("lower", "higher"):
         raise ValueError(f"better={better!r}; expected 'lower' or 'higher'")
-    if skipped is not None or figure is None:
+    inputs = dict(inputs or {})
+    if failed is not None:
+        verdict = NOT_MET
+        inputs["why"] = failed
+    elif skipped is not None or figure is None:
         verdict = f"skipped: {skipped or 'not measured'}"
     elif better == "lower":
         verdict = MET if figure <= threshold else NOT_MET
@@ -48,7 +55,7 @@ def goal(
         "figure": figure,
         "threshold": threshold,
         "better": better,
-        "inputs": dict(inputs or {}),
+        "inputs": inputs,
         "label": label,
         "verdict": verdict,
     }

@@ -51,10 +51,10 @@ from benchmarks.methods import (
     DecoderConfig,
     MethodSpec,
     Runner,
-    at_measured,
     fxckpt_spec,
     make_batch,
     median,
+    scaled,
 )
 
 MiB = 2**20
@@ -96,7 +96,7 @@ def method_specs(quick: bool) -> list[MethodSpec]:
         fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's bytes after its forward",
            memory_budget=AT_FULL_CHECKPOINT),
         fx("fxckpt_half_full_ckpt", "memory_budget = half of full_checkpoint's bytes",
-           memory_budget=at_measured("full_checkpoint", 0.5)),
+           memory_budget=scaled(AT_FULL_CHECKPOINT, 0.5)),
         # What pricing the link moves: the same budgets, planned as if copies were free.
         fx("fxckpt_budget0.25_free_link", f"memory_budget=0.25, planned at bandwidth={FREE_LINK}",
            memory_budget=0.25, bandwidth=FREE_LINK),
@@ -258,7 +258,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for key, rec in doc["goals"].items():
         fig = "-" if rec["figure"] is None else f"{rec['figure']:.4g}"
         src = rec["inputs"].get("row") or rec["inputs"].get("worst") or ""
-        why = rec["inputs"].get("why_not_met", "")
+        why = rec["inputs"].get("why", "")
         lines.append(f"| `{key}` | {fig} | {'<=' if rec['better'] == 'lower' else '>='} "
                      f"{rec['threshold']:g} | {rec['verdict']}{': ' + why if why else ''} "
                      f"| `{src}` |")

@@ -74,11 +74,8 @@ def goal_records(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
     def record(key: str, figure: float | None, inputs: dict[str, Any], skipped: str | None = None,
                failed: str | None = None) -> None:
-        rec = g.goal(figure, th[key][0], better=th[key][1], inputs=inputs, label="emulated",
-                     skipped=skipped)
-        if failed is not None and skipped is None:
-            rec["verdict"], rec["inputs"]["why_not_met"] = g.NOT_MET, failed
-        out[key] = rec
+        out[key] = g.goal(figure, th[key][0], better=th[key][1], inputs=inputs, label="emulated",
+                          skipped=skipped, failed=failed)
 
     def decisions(n: str) -> dict[str, Any]:
         plan = by[n].get("plan") or {}

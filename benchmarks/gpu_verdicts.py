@@ -72,14 +72,21 @@ def grad_scale(grads: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return {n: g.double().abs().max().item() if g.numel() else 0.0 for n, g in grads.items()}
 
 
+# Below this many bytes a memory difference is the allocator's own: it rounds every block up
+# to 512 bytes (CUDA) and keeps small blocks apart, so a plan that keeps ~nothing (offload
+# everything) would read as an error of several times its prediction.
+MEMORY_FLOOR_BYTES = 2 * 2**20
+
+
 def memory_verdict(measured: int, predicted: int, reference: int,
-                   rel: float = MEMORY_REL) -> dict[str, Any]:
+                   rel: float = MEMORY_REL, floor: int = MEMORY_FLOOR_BYTES) -> dict[str, Any]:
     """``measured`` against ``predicted``: within ``rel`` of ``reference`` (the larger of
-    the two when ``reference`` is 0)."""
+    the two when ``reference`` is 0), or within ``floor`` bytes."""
     ref = reference or max(measured, predicted, 1)
-    err = abs(measured - predicted) / ref
+    diff = abs(measured - predicted)
+    err = diff / ref
     return {"measured_bytes": measured, "predicted_bytes": predicted, "reference_bytes": ref,
-            "relative_error": err, "ok": err <= rel}
+            "relative_error": err, "floor_bytes": floor, "ok": err <= rel or diff <= floor}
 
 
 @dataclass(frozen=True)
@@ -165,10 +172,12 @@ class Report:
 
     checks: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, name: str, status: str, why: str = "", **figures: Any) -> None:
+    def add(self, name: str, status: str, why: str = "", **figures: Any) -> dict[str, Any]:
         assert status in ("passed", "failed", "skipped"), status
-        self.checks.append({"check": name, "status": status, "why": why, **figures})
+        record = {"check": name, "status": status, "why": why, **figures}
+        self.checks.append(record)
         print(f"[{status:>7}] {name}" + (f": {why}" if why else ""), flush=True)
+        return record
 
     def failures(self) -> list[str]:
         return [f"{c['check']}: {c['why']}" for c in self.checks if c["status"] == "failed"]

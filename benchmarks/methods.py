@@ -260,15 +260,17 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 # Methods
 # ---------------------------------------------------------------------------------------------
 
-# memory_budget placeholder: the harness replaces it with full_checkpoint's measured bytes.
+# memory_budget placeholders: the harness replaces each with what the named baseline's
+# forward measurably left on the device (full_checkpoint's, save_on_cpu's).
 AT_FULL_CHECKPOINT = "at_full_checkpoint"
-# memory_budget placeholder "at_measured:<method>[*<factor>]": that (earlier, uncompiled)
-# method's measured bytes after its forward, times the factor.
-AT_MEASURED = "at_measured:"
+AT_SAVE_ON_CPU = "at_save_on_cpu"
+BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU,
+                  "save_on_cpu_link": AT_SAVE_ON_CPU}
 
 
-def at_measured(method: str, factor: float = 1.0) -> str:
-    return f"{AT_MEASURED}{method}" + (f"*{factor:g}" if factor != 1.0 else "")
+def scaled(placeholder: str, factor: float) -> str:
+    """A memory_budget placeholder times ``factor``: ``at_full_checkpoint*0.5``."""
+    return f"{placeholder}*{factor:g}"
 
 
 @dataclass(frozen=True)
@@ -401,15 +403,15 @@ def fresh_backend(name: str) -> Callable[..., Any]:
 
 
 def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compiler: str,
-                 budget_bytes: int | None = None, measured: Mapping[str, int] | None = None,
-                 ) -> Runner:
+                 budget_bytes: int | None = None,
+                 budgets: Mapping[str, int] | None = None) -> Runner:
     """``compiler``: "eager" (aot_autograd, no code generation) or "inductor".
 
-    ``measured``: bytes each earlier uncompiled method left after its forward, for
-    :func:`at_measured` budgets. Kinds ending in ``_link`` copy through the emulated host link
+    ``budgets``: the bytes behind each memory_budget placeholder (``AT_FULL_CHECKPOINT``,
+    ``AT_SAVE_ON_CPU``, either :func:`scaled`); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
+    alone. Kinds ending in ``_link`` copy through the emulated host link
     (``fxckpt.emulate_link``) on the compute thread, as those methods copy on the compute
-    stream: ``save_on_cpu_link`` and ``torch_offload_link``.
-    """
+    stream: ``save_on_cpu_link`` and ``torch_offload_link`` (``benchmarks/link_peers.py``)."""
     import torch._functorch.config as fconfig
 
     def checkpointed(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -462,15 +464,14 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         import fxckpt  # noqa: F401  (registers the backend's ops)
 
         options = dict(spec.options)
-        if options.get("memory_budget") == AT_FULL_CHECKPOINT:
-            if budget_bytes is None:
-                raise ValueError(f"{spec.name} needs full_checkpoint's measured bytes first")
-            options["memory_budget"] = int(budget_bytes)
-        elif str(options.get("memory_budget", "")).startswith(AT_MEASURED):
-            source, _, factor = options["memory_budget"][len(AT_MEASURED):].partition("*")
-            if measured is None or source not in measured:
-                raise ValueError(f"{spec.name} needs {source}'s measured bytes first")
-            options["memory_budget"] = int(measured[source] * float(factor or 1.0))
+        known = dict(budgets or {})
+        if budget_bytes is not None:
+            known.setdefault(AT_FULL_CHECKPOINT, int(budget_bytes))
+        placeholder, _, factor = str(options.get("memory_budget", "")).partition("*")
+        if placeholder in BUDGET_SOURCES.values():
+            if placeholder not in known:
+                raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
+            options["memory_budget"] = int(known[placeholder] * float(factor or 1.0))
         options["compiler"] = compiler
         call = torch.compile(model, backend="fxckpt", options=options, dynamic=False)
         return Runner(spec, model, call, f"fxckpt/{compiler}", options)
@@ -483,9 +484,26 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def grads_match(ref: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
                 **tolerances: float) -> tuple[bool, str]:
-    """``torch.testing.assert_close`` on every parameter gradient; (ok, first mismatch)."""
+    """``torch.testing.assert_close`` on every parameter gradient; (ok, first mismatch).
+
+    ``scale_rtol=r`` instead: each parameter's largest difference within ``r`` times its
+    gradient's largest magnitude. In bf16 a gradient of ~1e-3 makes any absolute tolerance
+    either blind or noise; a race moves a gradient by about its own size."""
     if set(ref) != set(got):
         return False, f"gradients differ in which parameters have one: {set(ref) ^ set(got)}"
+    rel = tolerances.pop("scale_rtol", None)
+    if rel is not None:
+        worst, worst_ratio = "", 0.0
+        for name in ref:
+            a, b = ref[name].double(), got[name].double()
+            scale = a.abs().max().item() if a.numel() else 0.0
+            diff = (a - b).abs().max().item() if a.numel() else 0.0
+            ratio = diff / max(scale, 1e-30) if diff == diff else float("inf")
+            if ratio > worst_ratio or ratio != ratio:
+                worst, worst_ratio = name, ratio
+        if worst_ratio > rel or worst_ratio != worst_ratio:
+            return False, f"{worst}: largest difference {worst_ratio:.3g} of its magnitude > {rel}"
+        return True, ""
     for name in ref:
         try:
             torch.testing.assert_close(got[name], ref[name], **tolerances)

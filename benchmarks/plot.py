@@ -121,6 +121,13 @@ def docs_block(doc: dict[str, Any], image: Path) -> str:
         markdown_table(_rows(doc)),
         "",
     ]
+    if "goals" in doc:  # the five goals: figure, threshold, verdict
+        lines += ["| goal | figure | threshold | verdict |", "|---|---|---|---|"]
+        for key, g in doc["goals"].items():
+            fig = "-" if g.get("figure") is None else f"{g['figure']:.4g}"
+            sign = "<=" if g.get("better") == "lower" else ">="
+            lines.append(f"| {key} | {fig} | {sign} {g['threshold']} | {g['verdict']} |")
+        lines.append("")
     if "checks" in doc:  # gpu_check: every check's verdict, and fxckpt against the baselines
         lines += ["| check | status | why |", "|---|---|---|"]
         lines += [f"| {c['check']} | {c['status']} | {c.get('why', '')} |" for c in doc["checks"]]

@@ -30,6 +30,8 @@ from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: op
 from fxckpt.runtime import stats as _stats
 
 _torch_compat.register_logging()
+# backend="fxckpt" from a source tree too (PYTHONPATH=.), where no entry point is installed.
+_torch_compat.register_backend_name("fxckpt", "fxckpt.backend:fxckpt_backend")
 
 
 def last_plans() -> list[Plan]:

@@ -97,22 +97,83 @@ class TorchCuda:
     def page_locked(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` (a multiple of the page size) of host memory, page-locked exactly.
 
-        An anonymous mapping is page-aligned, and ``cudaHostRegister`` pins exactly its pages;
-        ``torch.empty(pin_memory=True)`` would round the request up to a power of two
-        (HOST_MEMORY_NOTES.md). Registered memory reports ``is_pinned()``, so copies from it
-        are truly asynchronous.
+        An anonymous private mapping is page-aligned, and the driver's ``cuMemHostRegister``
+        pins exactly its pages; ``torch.empty(pin_memory=True)`` would round the request up
+        to a power of two (HOST_MEMORY_NOTES.md). Registered memory reports ``is_pinned()``,
+        so copies from it are truly asynchronous.
+
+        The driver, not the runtime: a failed ``cudaHostRegister`` leaves the runtime's
+        last error set, and the next kernel launch check (``cudaGetLastError``) then raises
+        an unrelated "CUDA error" in the user's step. A driver call returns its status and
+        sets nothing. MAP_PRIVATE: plain anonymous memory, not a shared-memory object that
+        counts against ``/dev/shm`` and survives into forked workers.
         """
-        area = mmap.mmap(-1, nbytes)
+        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buf = torch.frombuffer(area, dtype=torch.uint8)  # keeps ``area`` alive
-        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes,
-                                                       _HOST_REGISTER_PORTABLE))
+        err = _DRIVER.call(torch.cuda.current_device(), "cuMemHostRegister_v2",
+                           ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes),
+                           ctypes.c_uint(_HOST_REGISTER_PORTABLE))  # fmt: skip
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
+            raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {err}")
         return buf
 
     def unlock(self, buf: torch.Tensor) -> None:
         """Undo :meth:`page_locked`; the memory goes once the last view of ``buf`` dies."""
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        _DRIVER.call(torch.cuda.current_device(), "cuMemHostUnregister",
+                     ctypes.c_void_p(buf.data_ptr()))
+
+
+class Driver:
+    """Calls into ``libcuda`` with device ``index``'s primary context current.
+
+    The primary context is the one the runtime (and so torch) uses; pushing it makes each
+    call independent of whatever context the calling thread has current (a finalizer may run
+    on any thread). ``lib`` is loaded on first use; tests put a recording stand-in there.
+    """
+
+    def __init__(self) -> None:
+        self.lib: Any = None
+        self._contexts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _library(self) -> Any:
+        if self.lib is None:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        return self.lib
+
+    def _context(self, lib: Any, index: int) -> Any:
+        with self._lock:
+            ctx = self._contexts.get(index)
+            if ctx is None:
+                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+                err = lib.cuDeviceGet(ctypes.byref(dev), index)
+                if err == 0:
+                    err = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+                if err != 0:
+                    return err
+                self._contexts[index] = ctx  # retained once, for the process's life
+            return ctx
+
+    def call(self, index: int, name: str, *args: Any) -> int:
+        """``lib.<name>(*args)`` under the primary context of device ``index``; its CUresult
+        (or a nonzero one when the context cannot be had)."""
+        try:
+            lib = self._library()
+        except OSError:
+            return -1
+        ctx = self._context(lib, index)
+        if isinstance(ctx, int):
+            return ctx
+        err = lib.cuCtxPushCurrent_v2(ctx)
+        if err != 0:
+            return int(err)
+        try:
+            return int(getattr(lib, name)(*args))
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+_DRIVER = Driver()
 
 
 def _index(device: torch.device) -> int:
@@ -121,24 +182,13 @@ def _index(device: torch.device) -> int:
 
 def _driver_stream(index: int) -> int | None:
     """A new non-blocking stream on device ``index``, made through the driver; None if not."""
+    raw = ctypes.c_void_p()
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-        # The primary context is the one the runtime (and so torch) uses; pushing it makes
-        # this call independent of whatever context this thread has current.
-        if lib.cuDeviceGet(ctypes.byref(dev), index) != 0:
-            return None
-        if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
-            return None
-        if lib.cuCtxPushCurrent_v2(ctx) != 0:
-            return None
-        try:
-            err = lib.cuStreamCreateWithPriority(ctypes.byref(raw), _CU_STREAM_NON_BLOCKING, 0)
-        finally:
-            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-        return raw.value if err == 0 and raw.value else None
-    except (OSError, AttributeError):
+        err = _DRIVER.call(index, "cuStreamCreateWithPriority", ctypes.byref(raw),
+                           _CU_STREAM_NON_BLOCKING, 0)  # fmt: skip
+    except AttributeError:
         return None
+    return raw.value if err == 0 and raw.value else None
 
 
 CUDA: Any = TorchCuda()

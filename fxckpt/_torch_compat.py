@@ -194,6 +194,42 @@ def cache_pinned_graphs() -> dict[str, Any]:
     }
 
 
+def outside_fake_mode() -> Any:
+    """A context in which tensors are real: every active torch dispatch mode is set aside.
+
+    A partitioner runs inside AOTAutograd's ``FakeTensorMode``, where ``torch.empty`` returns
+    a FakeTensor and a copy takes no time: a bandwidth probe there measured a rate ~56x the
+    real one on the CPU, and on CUDA ``copy_`` into page-locked memory raised. The modes come
+    back when the block ends (``torch.utils._python_dispatch._disable_current_modes``, in
+    2.11 and 2.13).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def register_backend_name(name: str, target: str) -> None:
+    """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
+    where no installed entry point has claimed the name yet: running from a source tree.
+
+    torch reads the ``torch_dynamo_backends`` entry points lazily, on the first lookup of a
+    name it does not know (``_dynamo/backends/registry.py``, the same in 2.11 and 2.13), and
+    registers a backend when it first loads it. Calling ``register_backend`` here instead
+    would break installed copies: torch's lookup loads the entry point, which imports this
+    package, which would register the name first, and torch's own ``register_backend`` call
+    then asserts on the duplicate. So the name is entered the way an installed entry point
+    is, as an unloaded ``EntryPoint``, and only where the registry holds nothing for it: an
+    installed entry point that torch discovers later replaces it, and both load ``target``.
+    """
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS or name in registry._BACKENDS:
+        return
+    registry._BACKENDS[name] = EntryPoint(name=name, value=target, group="torch_dynamo_backends")
+
+
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
@@ -290,6 +326,8 @@ __all__ = [
     "profiler_enabled",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
+    "outside_fake_mode",
+    "register_backend_name",
     "register_logging",
     "run_after",
     "start_memory_events",

@@ -99,3 +99,62 @@ def test_import_fxckpt_creates_no_thread_stream_cuda_context_or_pinned_buffer() 
     assert r["ops"] == ["fxckpt.offload.default", "fxckpt.wait.default"]  # registered
     assert r["heavy"] == []  # optional extras and Inductor load only when used
     assert r["plans"] == 0
+
+
+# The child hides (or keeps) the installed entry point: torch reads entry points through
+# importlib.metadata.entry_points at its first unknown lookup, imported at call time.
+BACKEND_CHILD = textwrap.dedent(
+    """
+    import importlib.metadata as md, json, sys
+    import torch
+
+    HIDE = sys.argv[1] == "hide"
+    real = md.entry_points
+
+    def entry_points(**kw):
+        eps = real(**kw)
+        if HIDE and kw.get("group") == "torch_dynamo_backends":
+            return md.EntryPoints([e for e in eps if e.name != "fxckpt"])
+        return eps
+
+    md.entry_points = entry_points
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    if sys.argv[2] == "lookup-first":  # torch loads the entry point, which imports fxckpt
+        found = lookup_backend("fxckpt")
+        import fxckpt
+    else:
+        import fxckpt
+        found = lookup_backend("fxckpt")
+    x = torch.randn(8, requires_grad=True)
+    torch.compile(lambda t: (t.sin() * 2).sum(), backend="fxckpt",
+                  options={"compiler": "eager"})(x).backward()
+    from fxckpt.backend import fxckpt_backend
+    print("RESULT " + json.dumps({"same": found is fxckpt_backend,
+                                  "listed": "fxckpt" in list_backends(),
+                                  "grad_ok": bool(torch.allclose(x.grad, 2 * x.cos()))}))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "entry_point, order",
+    [("hide", "import-first"), ("keep", "import-first"), ("keep", "lookup-first")],
+)
+def test_backend_name_resolves_from_a_source_tree_and_beside_an_installed_entry_point(
+    entry_point: str, order: str
+) -> None:
+    from importlib.metadata import entry_points
+
+    installed = any(e.name == "fxckpt" for e in entry_points(group="torch_dynamo_backends"))
+    if entry_point == "keep" and not installed:
+        pytest.skip("fxckpt is not installed here: no entry point to keep")
+    # "hide": running from a source tree (PYTHONPATH=.), no entry point anywhere; "keep": the
+    # package is installed, and torch may load its entry point before or after the import.
+    done = subprocess.run(
+        [sys.executable, "-c", BACKEND_CHILD, entry_point, order],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert json.loads(line[len("RESULT ") :]) == {"same": True, "listed": True, "grad_ok": True}

@@ -75,6 +75,9 @@ def test_plus_fxckpt_logs_the_pipeline_and_every_decision_with_its_reason() -> N
         assert any(f"{row['bytes']} B" in ln for ln in hits)
     for note in plan["notes"]:
         assert f"fxckpt[{plan['name']}] {note}" in log
+    # What the cost model assumed, with where each figure came from.
+    assert plan["assumptions"]["bandwidth_bytes_per_s"]["source"] == "default"  # unit model
+    assert re.search(rf"fxckpt\[{name}\] assumed: bandwidth 1 GB/s \(default\), compute", log)
 
 
 def test_without_torch_logs_fxckpt_is_silent() -> None:

@@ -1,23 +1,30 @@
 """FLOPs, bandwidth and the cost models that turn an FX node into estimated milliseconds.
 
-Nothing here runs at import: bandwidth is measured on first use and cached per process.
+Nothing here runs at import: bandwidth is measured on first use and cached per process
+(:mod:`fxckpt.graph.probes`). :func:`assumptions` is what one compile assumes.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fxckpt._torch_compat import flop_formula
+from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
+    DEFAULT_PCIE_BYTES_PER_MS,
+    _bandwidth,
+    measure_bandwidth,
+    profile_ms,
+)
 from fxckpt.graph.sizes import concrete
 
 if TYPE_CHECKING:
     import torch
     import torch.fx
+
+    from fxckpt.options import Options
 
 # Sustained rates for the "flops" model, in FLOPs per millisecond. Deliberately below peak:
 # a recomputed op runs alone, without the fusion and overlap of the original step.
@@ -27,7 +34,6 @@ DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dens
 # without it their recompute would look free.
 DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
 DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
-DEFAULT_PCIE_BYTES_PER_MS = 2.5e7  # ~25 GB/s host<->device, a derated PCIe Gen5 x16 link
 
 # Host time the compute thread spends per offloaded tensor, in ms: four runtime-op calls
 # (offload, offload_done, prefetch, wait) and two hand-offs to the copy engine. The copies hide
@@ -47,7 +53,6 @@ COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
 # the same offloads and no stall (benchmarks/gpu_shaped.py, docs/benchmarks.md).
 COPY_MARGIN = 0.5
 
-_COPY_BYTES = 64 * 2**20
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
                            "as_strided", "view_as", "expand_as", "contiguous", "detach"})
@@ -187,9 +192,9 @@ def planning_rates(device: Any) -> tuple[Rates, str]:
     name = device if isinstance(device, str) else str(device)
     link = _link.spec() if name.startswith("cpu") else None
     if link is None or link.compute_scale == 1.0:
-        return rates, "default"
+        return rates, DEFAULT
     scale = link.compute_scale
-    return Rates(rates.flops_per_ms / scale, rates.bytes_per_ms / scale), "emulated"
+    return Rates(rates.flops_per_ms / scale, rates.bytes_per_ms / scale), EMULATED
 
 
 def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
@@ -198,82 +203,68 @@ def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
     return flops / (rates or device_rates(device)).flops_per_ms
 
 
-@functools.cache
-def _bandwidth(device: str) -> float:
-    import torch
-
-    if device.startswith("cuda"):
-        return _cuda_bandwidth(torch.device(device))
-    # Both buffers written before timing: an untouched torch.empty maps every page of the
-    # source to the kernel's one shared zero page, and copying from it reads the cache, not
-    # memory (it measured ~900 GB/s).
-    src = torch.full((_COPY_BYTES,), 7, dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return _COPY_BYTES / max(best * 1e3, 1e-6)
-
-
-def _cuda_bandwidth(device: torch.device) -> float:
-    """Bytes/ms of the slower direction between page-locked host memory and ``device``.
-
-    Everything happens on ``device``'s own current stream, under its device guard: a copy
-    runs on the stream of the device its device tensor lives on, so events recorded on the
-    *current* device's stream would time nothing when the model sits on another GPU, and
-    the planner would then believe copies are free.
-    """
-    import torch
-
-    from fxckpt import _cuda
-
-    cuda = _cuda.CUDA
-    host = cuda.page_locked(_COPY_BYTES)  # like the pool's slabs: exactly locked pages
-    try:
-        with cuda.device(device):
-            stream = cuda.current_stream(device)
-            dev = cuda.empty(_COPY_BYTES, torch.uint8, device)
-            with cuda.use_stream(stream):
-                cuda.copy(dev, host)  # warm up the copy engines and the allocator
-                cuda.copy(host, dev)
-                slower_ms = 0.0
-                for dst, src in ((dev, host), (host, dev)):
-                    start, end = cuda.event(timing=True), cuda.event(timing=True)
-                    start.record(stream)
-                    for _ in range(3):
-                        cuda.copy(dst, src)
-                    end.record(stream)
-                    end.synchronize()
-                    slower_ms = max(slower_ms, start.elapsed_time(end) / 3)
-    finally:
-        cuda.unlock(host)  # every copy has completed: end.synchronize()
-    return _COPY_BYTES / max(slower_ms, 1e-6)
-
-
 def _gpu_like(device: str) -> bool:
     # Offline plans (fxckpt inspect) run on the meta device for a GPU that is not here.
     return device.startswith(("cuda", "meta"))
 
 
-def measure_bandwidth(device: Any) -> float:
-    """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
+# Sources of an assumed figure: measured on this machine, given as an option, the table's, or
+# the CPU engine's emulated host link (fxckpt._link).
+MEASURED, OPTION, DEFAULT, EMULATED = "measured", "option", "default", "emulated"
+UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
-    CUDA: a page-locked 64 MiB host buffer copied H2D then D2H three times each on the
-    device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of
-    three 64 MiB ``copy_`` calls between buffers written beforehand (a memcpy rate). Meta (offline
-    planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link.
+
+def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
+    """What the cost model assumes for one compile on ``device``, each figure with where it
+    came from: ``{"name": {"value": float, "source": "measured" | "option" | "default" |
+    "emulated"}}``.
+
+    - ``bandwidth_bytes_per_s``: the host link (``bandwidth`` option, else an emulated link's
+      on the CPU, else probed once per device and process, outside any fake mode; offline
+      plans and ``cost_model="unit"`` take a table's figure);
+    - ``link_overhead_ms``: each copy's fixed time on its queue (an emulated link's, else 0);
+    - ``compute_flops_per_s`` and ``memory_bytes_per_s``: the ``"flops"`` model's sustained
+      rates for the device's kind (``"profile"`` times ops instead, where it can), scaled to
+      this machine's measured compute under a link derived from a target
+      (:func:`planning_rates`);
+    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread;
+    - ``copy_margin``: copies are placed and priced as taking ``1 + copy_margin`` times what
+      the link's figures say (:data:`COPY_MARGIN`; 0 under ``cost_model="unit"``).
+
+    The planner prices copies with exactly these figures, and the plan records them as
+    ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
+    that replaces a figure for a whole compile (an emulated host link, say, with its own
+    source name) hooks in here, and the plan, the logs and ``fxckpt inspect`` follow.
     """
-    name = device if isinstance(device, str) else str(device)
-    if name.startswith("meta"):
-        return DEFAULT_PCIE_BYTES_PER_MS  # offline planning: nothing to measure
-    if name == "cuda":
-        import torch
+    from fxckpt import _link
 
-        name = f"cuda:{torch.cuda.current_device()}"
-    return _bandwidth(name)
+    name = device if isinstance(device, str) else str(device)
+    link = _link.spec() if name.startswith("cpu") else None
+    if options.bandwidth is not None:
+        bandwidth = _figure(float(options.bandwidth), OPTION)
+    elif link is not None:
+        bandwidth = _figure(link.bandwidth, EMULATED)
+    elif options.cost_model == "unit":
+        bandwidth = _figure(UNIT_BYTES_PER_MS * 1e3, DEFAULT)
+    elif name.startswith("meta"):
+        bandwidth = _figure(DEFAULT_PCIE_BYTES_PER_MS * 1e3, DEFAULT)
+    else:
+        bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
+    rates, rates_source = planning_rates(name)
+    unit = options.cost_model == "unit"
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "link_overhead_ms": (_figure(link.overhead_s * 1e3, EMULATED) if link is not None
+                             and not unit else _figure(0.0, DEFAULT)),
+        "compute_flops_per_s": _figure(rates.flops_per_ms * 1e3, rates_source),
+        "memory_bytes_per_s": _figure(rates.bytes_per_ms * 1e3, rates_source),
+        "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
+        "copy_margin": _figure(0.0 if unit else COPY_MARGIN, DEFAULT),
+    }
+
+
+def _figure(value: float, source: str) -> dict[str, Any]:
+    return {"value": value, "source": source}
 
 
 def copy_overhead_ms(device: Any, cost_model: str) -> float:
@@ -283,28 +274,6 @@ def copy_overhead_ms(device: Any, cost_model: str) -> float:
         return 0.0
     name = device if isinstance(device, str) else str(device)
     return COPY_OVERHEAD_MS["cuda" if _gpu_like(name) else "cpu"]
-
-
-def _profile_ms(node: torch.fx.Node, device: str, repeats: int = 5) -> float:
-    import torch
-
-    def real(v: torch.Tensor) -> torch.Tensor:
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            return torch.randn(v.shape, dtype=v.dtype, device=device)
-        return torch.zeros(v.shape, dtype=v.dtype, device=device)  # safe as an index
-
-    got = _meta_args(node, real)
-    if got is None:
-        return 0.0
-    fn = node.target
-    fn(*got[0], **got[1])  # type: ignore[operator]  # warm-up: kernels, allocator
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn(*got[0], **got[1])  # type: ignore[operator]
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates | None = None
@@ -328,7 +297,7 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates
     name = device if isinstance(device, str) else str(device)
     if cost_model == "profile" and name.startswith("cuda") and node.op == "call_function":
         try:
-            return _profile_ms(node, name)
+            return profile_ms(node, name, _meta_args)
         except Exception:
             pass
     rates = rates or planning_rates(name)[0]
@@ -350,46 +319,3 @@ def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
                     numel *= s if isinstance(s, int) else 4096
                 total += numel * v.element_size()
     return total / rates.bytes_per_ms
-
-
-def assumptions(options: Any, device: Any) -> dict[str, dict[str, Any]]:
-    """What the cost model assumes for one compile on ``device``, and where each figure came
-    from: ``"option"`` (the user's), ``"emulated"`` (the CPU engine's emulated link,
-    :mod:`fxckpt._link`), ``"measured"`` (a probe on this machine) or ``"default"`` (a table).
-
-    Keys: ``bandwidth_bytes_per_s`` (host link, each way), ``link_overhead_ms`` (each copy's
-    fixed time on its queue), ``copy_overhead_ms`` (host time per offloaded copy, never
-    hidden), ``copy_margin`` (copies are planned as taking ``1 + copy_margin`` times what the
-    link's figures say; 0 under ``cost_model="unit"``), ``compute_flops_per_s`` and
-    ``memory_bytes_per_s`` (the ``"flops"`` model's rates).
-    """
-    from fxckpt import _link
-
-    name = device if isinstance(device, str) else str(device)
-    link = _link.spec() if name.startswith("cpu") else None
-    cost_model = options.cost_model
-
-    def fig(value: float, source: str) -> dict[str, Any]:
-        return {"value": float(value), "source": source}
-
-    if options.bandwidth is not None:
-        bandwidth = fig(options.bandwidth, "option")
-    elif link is not None:
-        bandwidth = fig(link.bandwidth, "emulated")
-    elif cost_model == "unit":
-        bandwidth = fig(1e9, "default")  # deterministic: 1 MB per unit step
-    elif name.startswith("meta"):
-        bandwidth = fig(DEFAULT_PCIE_BYTES_PER_MS * 1e3, "default")
-    else:
-        bandwidth = fig(measure_bandwidth(device) * 1e3, "measured")
-    rates, rates_source = planning_rates(name)
-    out = {
-        "bandwidth_bytes_per_s": bandwidth,
-        "link_overhead_ms": (fig(link.overhead_s * 1e3, "emulated") if link is not None
-                             and cost_model != "unit" else fig(0.0, "default")),
-        "copy_overhead_ms": fig(copy_overhead_ms(device, cost_model), "default"),
-        "copy_margin": fig(0.0 if cost_model == "unit" else COPY_MARGIN, "default"),
-        "compute_flops_per_s": fig(rates.flops_per_ms * 1e3, rates_source),
-        "memory_bytes_per_s": fig(rates.bytes_per_ms * 1e3, rates_source),
-    }
-    return out

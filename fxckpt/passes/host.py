@@ -27,6 +27,7 @@ from fxckpt.planning import tiers
 from fxckpt.planning.planner import Choice
 from fxckpt.runtime.disk import DISK
 from fxckpt.runtime.pool import size_class
+from fxckpt.runtime.slabs import carving_fits, whole_pages
 from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
 
 # cost_model="unit" plans without measuring anything: the disk is taken as 10x slower than
@@ -95,10 +96,12 @@ def place_tiers(
     *,
     allow_recompute: bool,
     report: HostReport | None,
+    pinned: bool = False,
 ) -> tuple[HostReport | None, bool]:
     """Give every offload in ``choices`` a tier under ``host_budget`` (``storages[i]`` is the
     problem's candidate ``i``).
 
+    ``pinned``: the host pool is page-locked slabs (a CUDA device, or offline planning for one).
     Returns the report (``report`` updated, or a new one, once the budget moved an offload)
     and whether any choice changed kind (offload to recompute or keep).
     """
@@ -110,8 +113,14 @@ def place_tiers(
     if budget is None or not offloaded:
         return report, False
     items = [_item(problem, i, storages[i], options.prefetch) for i in offloaded]
+    fits = None
+    if pinned:  # page-locked slabs lose their tails: ask their layout, not the sum
+
+        def fits(classes: list[int], staging: int) -> bool:
+            return carving_fits(classes, budget, whole_pages(staging))
+
     placed = tiers.assign(items, budget, disk_rates(options), allow_recompute=allow_recompute,
-                          staging_slots=STAGING_SLOTS)  # fmt: skip
+                          staging_slots=STAGING_SLOTS, fits=fits)  # fmt: skip
     if all(t.kind == "host" for t in placed):
         return report, False
     report = report or HostReport(budget)

@@ -56,7 +56,7 @@ from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
 from fxckpt.planning.layouts import NONE, Layout
-from fxckpt.planning.plan import Plan
+from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.planner import build_plan
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,9 @@ def partition(
             (base_fw, base_bw) if report.tagged == 0 else cut(source, consume=budget is None)
         )
         part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
-    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests)
+    with step(graph_name, "assumptions"):
+        assumed = assumptions(options, device)  # probes run once per device and process
+    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
     search_blocks = budget is not None and not options.is_explicit("segment_stride")
@@ -277,7 +279,7 @@ def partition(
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
     plan.timeline = plan_timeline
-    plan.assumptions = assumptions(options, device)
+    plan.assumptions = assumed
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
         plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
@@ -420,4 +422,6 @@ def _log_plan(plan: Plan) -> None:
         )
     for note in plan.notes:
         log.info("fxckpt[%s] %s", plan.name, note)
+    if plan.assumptions:
+        log.info("fxckpt[%s] assumed: %s", plan.name, describe_assumptions(plan.assumptions))
     trace_plan_artifact(plan.name, json.dumps(plan.to_dict()))

@@ -24,7 +24,6 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import assumptions
 from fxckpt.graph.memory import Problem, simulate
 from fxckpt.options import Options
 from fxckpt.passes.budget import (
@@ -103,9 +102,17 @@ class RoundPlanner:
         blocks: BlockFacts,
         num_fwd_outputs: int,
         requests: Set[str],
+        assumed: dict[str, dict[str, Any]],
     ) -> None:
         self.options, self.budget, self.device = options, budget, device
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
+        # What copies cost (graph.costs.assumptions): the plan records these very figures.
+        # Copies are planned as taking 1 + copy_margin times the link's figures, so that one
+        # the plan calls hidden still lands in time when compute runs faster than estimated.
+        slower = 1.0 + float(assumed.get("copy_margin", {}).get("value", 0.0))
+        self.bytes_per_ms = float(assumed["bandwidth_bytes_per_s"]["value"]) / 1e3 / slower
+        self.copy_overhead_ms = float(assumed["copy_overhead_ms"]["value"])
+        self.link_overhead_ms = float(assumed.get("link_overhead_ms", {}).get("value", 0.0)) * slower
 
     def decide(
         self,
@@ -133,22 +140,20 @@ class RoundPlanner:
             return None
         fw_ms = step_costs(part.fw, opts.cost_model, self.device)
         bw_ms = step_costs(part.bw, opts.cost_model, self.device)
-        figures = assumptions(opts, self.device)
-        slower = 1.0 + figures["copy_margin"]["value"]  # copies planned with room to spare
         problem, flops = build_problem(
             storages,
             part.fw,
             fw_ms,
             bw_ms,
-            figures["bandwidth_bytes_per_s"]["value"] / 1e3 / slower,
+            self.bytes_per_ms,
             offloadable=offloadable,
             forced=forced,
             allow_recompute=budget is not None and allow_recompute,
             cost_model=opts.cost_model,
             device=self.device,
             not_recomputable=stuck,
-            copy_overhead_ms=figures["copy_overhead_ms"]["value"],
-            link_overhead_ms=figures["link_overhead_ms"]["value"] * slower,
+            copy_overhead_ms=self.copy_overhead_ms,
+            link_overhead_ms=self.link_overhead_ms,
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
@@ -171,11 +176,13 @@ class RoundPlanner:
         if pick is None:
             pick = choose(problem, facts, budget, opts.prefetch)
         decision = _decision(pick, storages, flops, forced_why, budget)
-        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute)
+        pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
+        return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute, pinned=pinned)
 
 
 def _host_tiers(
-    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool
+    decision: RoundDecision, options: Options, budget: int | None, *, allow_recompute: bool,
+    pinned: bool = False,
 ) -> RoundDecision:
     """The decision with every offload given a tier under ``host_budget``: host memory, the
     disk tier, or (the host being short and no disk taking it) a single-op recompute or a
@@ -183,7 +190,7 @@ def _host_tiers(
     before = [decision.kind_of(s.key) for s in decision.storages]
     host, changed = place_tiers(
         decision.problem, decision.storages, decision.choices, options,
-        allow_recompute=allow_recompute and budget is not None, report=None,
+        allow_recompute=allow_recompute and budget is not None, report=None, pinned=pinned,
     )  # fmt: skip
     if not changed:
         return dataclasses.replace(decision, host=host)

@@ -227,3 +227,20 @@ class Plan:
             + (f" ({mib(self.disk_bytes)} to disk)" if self.disk_bytes else "")
             + f", recomputed {mib(self.recomputed_bytes)}"
         )
+
+
+def describe_assumptions(assumed: dict[str, dict[str, Any]]) -> str:
+    """One line for logs and reports: ``bandwidth 25.0 GB/s (measured), ...``."""
+    units = {
+        "bandwidth_bytes_per_s": ("bandwidth", 1e9, "GB/s"),
+        "compute_flops_per_s": ("compute", 1e12, "TFLOP/s"),
+        "memory_bytes_per_s": ("memory traffic", 1e9, "GB/s"),
+        "copy_overhead_ms": ("per-copy overhead", 1.0, "ms"),
+    }
+    parts = []
+    for key, fig in assumed.items():
+        label, scale, unit = units.get(key, (key, 1.0, ""))
+        value = fig.get("value")
+        text = f"{value / scale:.3g} {unit}".strip() if isinstance(value, (int, float)) else str(value)
+        parts.append(f"{label} {text} ({fig.get('source', '?')})")
+    return ", ".join(parts)

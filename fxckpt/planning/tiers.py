@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,20 +80,29 @@ def assign(
     *,
     allow_recompute: bool,
     staging_slots: int = 2,
+    fits: Callable[[list[int], int], bool] | None = None,
 ) -> list[Tier]:
     """One tier per item (in production order) so that host memory fits ``host_budget``.
 
     The host then holds ``sum(host_bytes)`` of the host-tier items plus staging for the disk
-    tier: ``staging_slots`` buffers of the largest disk item, fewer (down to one) when more
-    do not fit; at least one must. ``allow_recompute`` is False on the planner's last round,
-    which can only keep.
+    tier: ``staging_slots`` buffers of the largest disk item, as the runtime keeps them (its
+    staging slabs grow to that many wherever the budget holds them), or one where the budget
+    cannot hold ``staging_slots``. ``allow_recompute`` is False on the planner's last round,
+    which can only keep. ``fits(host_bytes of the host-tier items in order, staging bytes)``
+    says whether the host's allocator can hold them under the budget; the default is their
+    sum (the pinned pool passes its slab layout, whose tails no class may fill).
     """
     n = len(items)
     tiers = [Tier("host")] * n
     host = sum(it.host_bytes for it in items)
-    if host_budget is None or host <= host_budget:
+    if host_budget is None:
         return tiers
     budget = host_budget
+    if fits is None:
+        fits = lambda classes, staging: sum(classes) + staging <= budget  # noqa: E731
+    if fits([it.host_bytes for it in items], 0):
+        return tiers
+    in_host = [True] * n
     if disk is not None:
         order: Sequence[int] = range(n)
     else:
@@ -102,10 +111,15 @@ def assign(
     largest = 0  # the largest staging buffer of the disk tier so far
     moved: list[tuple[int, str]] = []  # (item, why it could not go to disk)
     for i in order:
-        if host + largest <= budget:
+        # The runtime keeps staging_slots staging buffers where they fit in the budget (one
+        # where they do not): plan for as many.
+        slots = staging_slots if staging_slots * largest <= budget else 1
+        if host + slots * largest <= budget and fits(
+                [it.host_bytes for k, it in enumerate(items) if in_host[k]], slots * largest):
             break
         it = items[i]
         host -= it.host_bytes
+        in_host[i] = False
         if disk is not None:
             exposed = disk.exposed_ms(it)
             cheaper = allow_recompute and it.recompute_ms < exposed
@@ -119,7 +133,7 @@ def assign(
         else:
             why = "there is no disk tier (offload_dir)"
         moved.append((i, why))
-    slots = max(1, min(staging_slots, (budget - host) // largest)) if largest else 0
+    slots = (staging_slots if staging_slots * largest <= budget else 1) if largest else 0
     staging = slots * largest
     held = (f"host_budget {_size(budget)} holds {_size(host)} of host-tier offloads"
             + (f" and {_size(staging)} of disk staging" if staging else ""))  # fmt: skip
@@ -146,14 +160,15 @@ def assign(
 
 def staging_bytes(items: Sequence[Item], tiers: Sequence[Tier], host_budget: int | None,
                   staging_slots: int = 2) -> int:
-    """The staging :func:`assign` left room for (the host budget less the host tier)."""
+    """The staging :func:`assign` left room for: ``staging_slots`` buffers of the largest
+    disk item, one where the budget holds fewer."""
     largest = max((it.staged_bytes for it, t in zip(items, tiers, strict=True)
                    if t.kind == "disk"), default=0)  # fmt: skip
     if not largest:
         return 0
-    host = sum(it.host_bytes for it, t in zip(items, tiers, strict=True) if t.kind == "host")
-    room = staging_slots if host_budget is None else (host_budget - host) // largest
-    return max(1, min(staging_slots, room)) * largest
+    if host_budget is not None and staging_slots * largest > host_budget:
+        return largest
+    return staging_slots * largest
 
 
 def read_ahead(S: Sequence[float], num_forward: int, issue: int, read_ms: float) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from fxckpt.planning.plan import Plan, PlannedActivation
+from fxckpt.planning.plan import Plan, PlannedActivation, describe_assumptions
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
 SWEEP_COLUMNS = ("budget", "budget bytes", "resident peak", "vs baseline", "offloaded",
@@ -125,6 +125,9 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
     if hosts:
         items.append(("host budget", ", ".join(sorted(
             human_bytes(h) if isinstance(h, int) else str(h) for h in hosts))))  # fmt: skip
+    assumed = {describe_assumptions(p.assumptions) for p in plans if p.assumptions}
+    for line in sorted(assumed):  # the cost model's figures and where each came from
+        items.append(("assumed", line))
     for p in plans:
         if p.name in t.over_budget and p.budget_bytes is not None:
             items.append(("OVER BUDGET", f"graph {p.name} peaks at "

@@ -231,7 +231,25 @@ class CudaEngine:
         finally:
             self._reading.release()
 
+    def drop_timings(self) -> None:
+        """Forget the event pairs not read yet (:func:`fxckpt.runtime.stats.reset`): they
+        time copies and stalls issued before the reset. Nothing waits for them."""
+        with self._reading:
+            for pairs in self._timed.values():
+                pairs.clear()
+
     def shutdown(self) -> None:
         # Streams are the process's (fxckpt._cuda keeps them): nothing to tear down, and the
         # pending timings are counted if they are done.
         self.read_timings()
+
+
+def _drop_pending_timings() -> None:
+    from fxckpt.runtime.engine import _engines
+
+    for engine in list(_engines.values()):
+        if isinstance(engine, CudaEngine):
+            engine.drop_timings()
+
+
+stats.add_resetter(_drop_pending_timings)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fxckpt.runtime import stats
-from fxckpt.runtime.slabs import Slabs, unlock_all
+from fxckpt.runtime.slabs import Slabs, unlock_all, whole_pages
 
 MIN_CLASS_BYTES = 4096
 SUBCLASSES_PER_OCTAVE = 4
@@ -72,13 +72,21 @@ class HostPool:
         self._pending: list[tuple[torch.Tensor, Sequence[Completion]]] = []
         self._returned: deque[tuple[torch.Tensor, Sequence[Completion]]] = deque()
         self._slabs = Slabs() if pinned else None
+        # Staging for the disk tier has slabs of its own: its buffers live for one transfer
+        # and come in every size class, so carved among the host tier's (whose classes repeat
+        # step after step) they would strand slab space no class can reuse, and under a
+        # host_budget the host tier would fall back. Staging slabs are re-carved whenever no
+        # staging buffer is out, which is every few transfers.
+        self._staging = Slabs() if pinned else None
+        self._staging_free: dict[int, list[torch.Tensor]] = {}
+        self._staging_out = 0
         # Addresses of the buffers this pool holds, so a memory meter can tell host buffers
         # from device tensors where both are CPU memory (an unpinned pool; slabs are mmap'd
         # pages, which torch's CPU allocator never reports).
         self.ptrs: set[int] = set()
         # The process-wide pool_bytes counts this pool's buffers until the pool itself dies.
-        slab_list = self._slabs.slabs if self._slabs is not None else []
-        weakref.finalize(self, _forget, self._held, pinned, slab_list).atexit = False
+        slab_lists = [x.slabs for x in (self._slabs, self._staging) if x is not None]
+        weakref.finalize(self, _forget, self._held, pinned, slab_lists).atexit = False
 
     @property
     def bytes(self) -> int:
@@ -106,6 +114,66 @@ class HostPool:
             self._make_room(cls)
             return self._allocate(cls)
 
+    def acquire_staging(self, nbytes: int, slots: int) -> torch.Tensor:
+        """A staging buffer of at least ``nbytes`` for the disk tier, at most ``slots`` of them
+        out at once; raises :class:`PoolExhausted` when none can be had now.
+
+        Pinned: from the staging slabs. When no staging buffer is out they are re-carved, and
+        grown (within the cap) to hold ``slots`` buffers of this class, or one where the cap
+        leaves room for one only. Give it back with :meth:`release`.
+        """
+        if self._staging is None:
+            return self.acquire(nbytes)
+        cls = size_class(nbytes)
+        with self._lock:
+            self._absorb_returned()
+            st, free = self._staging, self._staging_free
+            buf = free[cls].pop() if free.get(cls) else st.carve(cls)
+            if buf is None and self._staging_out == 0:
+                for slab in list(st.slabs):
+                    st.reset(slab, free)
+                buf = st.carve(cls)
+                if buf is None:  # too small for this class: lock one that is not
+                    for slab in list(st.slabs):
+                        self._shrink(st.release(slab, free))
+                    buf = self._grow_staging(cls, slots)
+            if buf is None:
+                raise PoolExhausted(f"no staging buffer of {cls} bytes while "
+                                    f"{self._staging_out} are out")
+            self._staging_out += 1
+            return buf
+
+    def _grow_staging(self, cls: int, slots: int) -> torch.Tensor | None:
+        st = self._staging
+        assert st is not None
+        cap = self.max_bytes
+
+        def lock() -> int:
+            # ``slots`` buffers where the cap leaves room for them, else exactly one: the
+            # planner counts the same (planning.tiers.assign), and the host tier the rest.
+            want = whole_pages(slots * cls)
+            if cap is not None and cap - self.bytes < want:
+                want = whole_pages(cls)
+            return st.lock(want, cls, None if cap is None else cap - self.bytes)
+
+        try:
+            grown = lock()
+            if not grown:  # idle host-tier slabs go before staging fails
+                host = self._slabs
+                assert host is not None
+                for slab in host.idle(self._free):
+                    self._shrink(host.release(slab, self._free))
+                grown = lock()
+        except (RuntimeError, MemoryError, OSError) as err:
+            raise PoolExhausted(f"page-locking a staging slab for {cls} bytes failed: {err}") from err
+        if not grown:
+            return None
+        self._held[0] += grown
+        stats.add("host_allocations", 1)
+        stats.pool_resized(grown)
+        stats.pinned_resized(grown)
+        return st.carve(cls)
+
     def release(self, buf: torch.Tensor, pending: Sequence[Completion] = ()) -> None:
         """Give ``buf`` back; it is reused once every callable in ``pending`` returns True.
 
@@ -119,8 +187,9 @@ class HostPool:
         with self._lock:
             self._absorb_returned()
             free = sum(b.numel() for bufs in self._free.values() for b in bufs)
-            if self._slabs is not None:
-                free += self._slabs.uncarved_bytes()
+            if self._slabs is not None and self._staging is not None:
+                free += self._slabs.uncarved_bytes() + self._staging.uncarved_bytes()
+                free += sum(b.numel() for bufs in self._staging_free.values() for b in bufs)
             pending = sum(b.numel() for b, _ in self._pending)
             return {
                 "bytes": self.bytes,
@@ -156,7 +225,11 @@ class HostPool:
             still = []
             for buf, checks in self._pending:
                 if all(done() for done in checks):
-                    self._free.setdefault(buf.numel(), []).append(buf)
+                    if self._staging is not None and self._staging.owns(buf):
+                        self._staging_free.setdefault(buf.numel(), []).append(buf)
+                        self._staging_out -= 1
+                    else:
+                        self._free.setdefault(buf.numel(), []).append(buf)
                 else:
                     still.append((buf, checks))
             self._pending = still
@@ -181,6 +254,12 @@ class HostPool:
 
     def _evict_idle(self, too_big: Callable[[], bool]) -> None:
         if self._slabs is not None:  # only a slab whose every buffer is idle can go
+            st = self._staging
+            assert st is not None
+            for slab in st.idle(self._staging_free) if self._staging_out == 0 else []:
+                if not too_big():
+                    return
+                self._shrink(st.release(slab, self._staging_free))
             for slab in self._slabs.idle(self._free):
                 if not too_big():
                     return
@@ -249,11 +328,12 @@ class HostPool:
                 stats.pinned_resized(-nbytes)
 
 
-def _forget(held: list[int], pinned: bool, slabs: list) -> None:
+def _forget(held: list[int], pinned: bool, slab_lists: list[list]) -> None:
     stats.pool_resized(-held[0])
     if pinned:
         stats.pinned_resized(-held[0])
-        unlock_all(slabs)
+        for slabs in slab_lists:
+            unlock_all(slabs)
 
 
 _pools: dict[str, HostPool] = {}

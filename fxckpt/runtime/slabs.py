@@ -71,7 +71,12 @@ class Slabs:
         Each slab doubles what the pool holds, between 64 MiB and 1 GiB, so a small workload
         pins little and a large one is served by a few slabs.
         """
-        size = whole_pages(max(cls, min(max(self.bytes, MIN_SLAB_BYTES), MAX_SLAB_BYTES)))
+        size = max(cls, min(max(self.bytes, MIN_SLAB_BYTES), MAX_SLAB_BYTES))
+        return self.lock(whole_pages(size), cls, room)
+
+    def lock(self, size: int, cls: int, room: int | None) -> int:
+        """Page-lock a slab of ``size`` bytes (whole pages), less where ``room`` is smaller;
+        returns its bytes, 0 when what fits would not hold ``cls``."""
         if room is not None:
             size = min(size, room // _cuda.PAGE_BYTES * _cuda.PAGE_BYTES)
             if size < cls:
@@ -107,6 +112,36 @@ class Slabs:
 
     def owns(self, buf: torch.Tensor) -> bool:
         return buf.data_ptr() in self._owner
+
+
+def carving_fits(classes: list[int], cap: int, reserved: int = 0) -> bool:
+    """Whether buffers of ``classes`` (taken in this order, none given back) can be carved out
+    of slabs under ``cap`` page-locked bytes, ``reserved`` of them already locked elsewhere
+    (the staging slabs).
+
+    The rules of :meth:`Slabs.carve` and :meth:`Slabs.grow`, on numbers: first fit over the
+    slabs' uncarved tails, else one more slab, doubling. A tail too small for what comes next
+    is lost to it, so the sum of the classes alone can fit the cap while the slabs do not: the
+    planner asks this instead (``planning.tiers.assign``'s ``fits``).
+    """
+    page = _cuda.PAGE_BYTES
+    tails: list[int] = []
+    locked = 0
+    used = reserved
+    for cls in classes:
+        for k, tail in enumerate(tails):
+            if tail >= cls:
+                tails[k] -= cls
+                break
+        else:
+            size = whole_pages(max(cls, min(max(locked, MIN_SLAB_BYTES), MAX_SLAB_BYTES)))
+            size = min(size, (cap - used) // page * page)
+            if size < cls:
+                return False
+            tails.append(size - cls)
+            locked += size
+            used += size
+    return True
 
 
 def unlock_all(slabs: list[Slab]) -> None:

@@ -40,7 +40,7 @@ class Staging:
             while True:
                 if self._in_use < STAGING_SLOTS:
                     try:
-                        buf = pool.acquire(staged_bytes(nbytes))
+                        buf = pool.acquire_staging(staged_bytes(nbytes), STAGING_SLOTS)
                     except PoolExhausted:
                         if self._in_use == 0:
                             return None, waited

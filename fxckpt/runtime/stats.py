@@ -56,6 +56,9 @@ _high_water = 0
 # Called before every snapshot: the CUDA engine counts copy and stall times only once their
 # events have completed, which it checks without synchronizing.
 _collectors: list[Callable[[], None]] = []
+# Called at the start of every reset: the CUDA engine's event pairs still pending belong to
+# the window being closed, and read after the reset they would land in the next one.
+_resetters: list[Callable[[], None]] = []
 # A dict is an insertion-ordered set: membership costs one hash, and the payload string is
 # the same constant object at every call of a compiled graph, so its hash is cached.
 _plans: dict[str, None] = {}
@@ -221,6 +224,12 @@ def add_collector(fn: Callable[[], None]) -> None:
         _collectors.append(fn)
 
 
+def add_resetter(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the start of each :func:`reset`, outside the lock."""
+    if fn not in _resetters:
+        _resetters.append(fn)
+
+
 def snapshot() -> dict[str, Any]:
     """A consistent copy of every figure (see the module docstring), including
     ``host_high_water_bytes``: the most host memory fxckpt held at once (every host pool
@@ -240,8 +249,13 @@ def snapshot() -> dict[str, Any]:
 
 
 def reset() -> None:
-    """Counters to zero, the high-water mark to the pool's present size, no plans or graphs."""
+    """Counters to zero, the high-water mark to the pool's present size, no plans or graphs.
+
+    Copy and stall times still in flight are drained first: they belong to the window that
+    ends here, not to the next one."""
     global _high_water
+    for drain in list(_resetters):
+        drain()
     with _lock:
         for name in _COUNTERS:
             _values[name] = 0

@@ -253,3 +253,19 @@ def test_stalls_are_timed_on_the_compute_stream_and_read_without_synchronizing(h
     OPS.offload_done(h2, src)  # the copy already completed: no stall, no timing events
     assert len(hw.events) == events
     assert stats.snapshot()["stall_seconds"] == pytest.approx(0.008)
+
+
+def test_a_reset_drains_the_timings_still_in_flight_so_they_do_not_land_in_the_next_window(hw):
+    hw.bandwidth["cpu"] = 1024 / 5.0  # 1 KiB copies take 5 ms
+    src = produce(hw)
+    h = OPS.offload(src)
+    hw.kernel("forward rest", ms=2.0)
+    OPS.offload_done(h, src)  # a 3 ms stall and a 5 ms copy, both still in flight
+    stats.reset()  # the next window starts here (a benchmark's next timed step)
+    hw.advance(100.0)
+    snap = stats.snapshot()
+    assert snap["stall_seconds"] == 0.0 and snap["copy_seconds"] == 0.0
+    got = restore(h, src)  # issued after the reset: counted
+    hw.kernel("consumer", reads=[got])
+    hw.advance(100.0)
+    assert stats.snapshot()["copy_seconds"] == pytest.approx(0.005)

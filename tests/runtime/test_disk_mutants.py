@@ -48,7 +48,7 @@ MUTANTS: list[tuple[str, list[tuple[str, str, int, str]]]] = [
     ("the source stays referenced until its copy was waited for",
      [("runtime/transfer.py", "rec.src = src", 1, "pass")]),
     ("the host tier waits for staging before it falls back",
-     [("runtime/ops.py", "waited = disk.wait_for_staging()", 1, "waited = 0.0")]),
+     [("runtime/transfer.py", "waited = disk.wait_for_staging()", 1, "waited = 0.0")]),
 ]
 
 

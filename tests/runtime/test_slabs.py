@@ -104,3 +104,55 @@ def test_the_unpinned_pool_is_unchanged_one_allocation_per_buffer(hw):
     assert hw.lock_calls == 0
     assert p.bytes == sum(b.numel() for b in bufs)
     assert stats.snapshot()["host_allocations"] == 5
+
+
+def _disk_tier_step(p, sizes, tiers_, slots):
+    """One forward's host traffic in production order: host-tier offloads hold their buffer;
+    disk-tier ones pass through a staging buffer, ``slots`` at most in flight."""
+    from fxckpt.runtime.staging import staged_bytes
+
+    held, flight = [], []
+    for n, t in zip(sizes, tiers_, strict=True):
+        if t.kind == "host":
+            held.append(p.acquire(n))
+            continue
+        if t.kind != "disk":  # kept on the device: no host memory
+            continue
+        if len(flight) == slots:
+            p.release(flight.pop(0))  # the oldest write ends
+        try:
+            flight.append(p.acquire_staging(staged_bytes(n), slots))
+        except PoolExhausted:
+            assert flight, "no staging buffer with none in flight"
+            p.release(flight.pop(0))
+            flight.append(p.acquire_staging(staged_bytes(n), slots))
+    for b in held + flight:
+        p.release(b)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 0.125])
+def test_what_the_planner_puts_in_host_memory_fits_the_slabs_under_the_host_budget(hw, share):
+    # A decoder's saved tensors, two layers, production order (d=2048, ffn=6144, 1k tokens,
+    # fp32: norms, projections, attention, the MLP): many size classes, and staging for the
+    # disk tier in every one of them.
+    from fxckpt.planning import tiers
+    from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
+
+    layer = [8 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 64 * 1024, 8 * MiB, 8 * MiB, 48 * MiB,
+             24 * MiB, 24 * MiB, 24 * MiB, 8 * MiB]  # fmt: skip
+    sizes = layer + layer + [4096, 8 * MiB]
+    items = [tiers.Item(n, size_class(n), size_class(staged_bytes(n)), 10.0, 10.0)
+             for n in sizes]  # fmt: skip
+    budget = int(share * sum(it.host_bytes for it in items))
+    from fxckpt.runtime.slabs import carving_fits, whole_pages
+
+    def fits(classes, staging):  # as passes/host.py asks for a pinned pool
+        return carving_fits(classes, budget, whole_pages(staging))
+
+    placed = tiers.assign(items, budget, tiers.DiskRates(1e6, 1e6), allow_recompute=False,
+                          staging_slots=STAGING_SLOTS, fits=fits)  # fmt: skip
+    assert "disk" in {t.kind for t in placed}
+    p = HostPool(pinned=True, max_bytes=budget)
+    for _ in range(3):  # the first step lays the slabs out; the next ones reuse them
+        _disk_tier_step(p, sizes, placed, STAGING_SLOTS)
+        assert hw.locked_bytes() <= budget
