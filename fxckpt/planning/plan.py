@@ -236,6 +236,8 @@ def describe_assumptions(assumed: dict[str, dict[str, Any]]) -> str:
         "compute_flops_per_s": ("compute", 1e12, "TFLOP/s"),
         "memory_bytes_per_s": ("memory traffic", 1e9, "GB/s"),
         "copy_overhead_ms": ("per-copy overhead", 1.0, "ms"),
+        "link_overhead_ms": ("link overhead", 1.0, "ms"),
+        "copy_margin": ("copy margin", 0.01, "%"),
     }
     parts = []
     for key, fig in assumed.items():
