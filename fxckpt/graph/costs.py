@@ -254,11 +254,11 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
     unit = options.cost_model == "unit"
     return {
         "bandwidth_bytes_per_s": bandwidth,
-        "link_overhead_ms": (_figure(link.overhead_s * 1e3, EMULATED) if link is not None
-                             and not unit else _figure(0.0, DEFAULT)),
         "compute_flops_per_s": _figure(rates.flops_per_ms * 1e3, rates_source),
         "memory_bytes_per_s": _figure(rates.bytes_per_ms * 1e3, rates_source),
         "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
+        "link_overhead_ms": (_figure(link.overhead_s * 1e3, EMULATED) if link is not None
+                             and not unit else _figure(0.0, DEFAULT)),
         "copy_margin": _figure(0.0 if unit else COPY_MARGIN, DEFAULT),
     }
 
