@@ -17,7 +17,9 @@ Run from the source tree (no ``pip install``); it writes ``DIR/gpu_check.json`` 
 3. The checks of ``benchmarks/gpu_checks.py``: ``copy_streams``, ``bandwidth``,
    ``gradients`` (the noise floor, then fxckpt within it), ``race_detector``,
    ``pinned_slabs``, ``sync_debug``, ``profiler_overlap``, ``stall_figures``, ``disk_tier``,
-   ``memory_vs_simulator``, ``cudagraphs``, ``bucket_overhead``, ``table``.
+   ``memory_vs_simulator``, ``conv_memory`` (``benchmarks/conv_case.py``: a ResNet-18 shape in
+   bf16, where Inductor lays convolutions out channels-last, at budgets 0.5 and 0.3),
+   ``cudagraphs``, ``bucket_overhead``, ``table``.
 
 Without CUDA, ``preflight``, ``gradients``, ``race_detector``, ``disk_tier`` and
 ``bucket_overhead`` run on the CPU with tiny models; the rest are skipped, each with why.
@@ -137,6 +139,13 @@ def check_goals(ctx: Ctx) -> None:
                    verdicts={k: g["verdict"] for k, g in ctx.doc["goals"].items()}, rows=rows)
 
 
+def check_conv_memory(ctx: Ctx) -> None:
+    from benchmarks.conv_case import run as conv_case
+
+    record = conv_case(ctx.device, ctx.compiler)
+    ctx.report.add("conv_memory", record.pop("status"), record.pop("why"), **record)
+
+
 # Compiles are counted in the pre-flight's units (one tiny compile and step), so that what the
 # pre-flight measured on this machine prices each check; larger models count more than one.
 CHECKS: list[Check] = [
@@ -152,6 +161,7 @@ CHECKS: list[Check] = [
     Check("stall_figures", True, 0.2, c.check_stall_figures, needs_state=True),
     Check("disk_tier", False, 1.5, c.check_disk_tier, needs_state=True),
     Check("memory_vs_simulator", True, 8, c.check_memory_vs_simulator),
+    Check("conv_memory", True, 6, check_conv_memory),
     Check("cudagraphs", True, 3, c.check_cudagraphs),
     Check("bucket_overhead", False, 3, c.check_bucket_overhead),
     Check("table", True, 12, c.check_table, always_start=True),  # skips lengths itself

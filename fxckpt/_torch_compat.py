@@ -390,3 +390,35 @@ def size_hint(value: Any, fallback: int) -> int:
             return int(fn(value, fallback=fallback))
     hint = value.node.hint
     return int(hint) if hint is not None else fallback
+
+
+def inductor_channels_last_nodes(fw: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes of a training forward whose 4-D values Inductor lays out channels-last, by
+    Inductor's own rules: none where ``GraphLowering.decide_layout_opt`` turns layout
+    optimization off for the graph, else ``find_nodes_prefer_channels_last``, which reads
+    only the graph (``self.module.graph``). The same in torch 2.11, 2.13 and 2.15."""
+    from types import SimpleNamespace
+
+    from torch._inductor.graph import GraphLowering
+
+    if not GraphLowering.decide_layout_opt(fw, is_inference=False):
+        return set()
+    return set(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw)))  # type: ignore[arg-type]
+
+
+def non_overlapping_and_dense(val: torch.Tensor) -> bool:
+    """Whether ``val``'s elements fill its extent once each (``False`` where that depends on
+    symbols), as Inductor decides before it re-lays out an output."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return bool(is_non_overlapping_and_dense_or_false(val))
+
+
+def saved_tensors_hooks_free() -> bool:
+    """Whether a ``saved_tensors_hooks`` pack hook pushed now would see every saved tensor and
+    hide none from the caller's own: hooks are enabled, and none are active."""
+    autograd = torch._C._autograd
+    return bool(
+        autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+        and autograd._top_saved_tensors_default_hooks(False) is None
+    )

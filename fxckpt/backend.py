@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from fxckpt import _torch_compat as compat
+from fxckpt import residency
 from fxckpt.errors import OptionsError
 from fxckpt.options import Options, options_from_env
 from fxckpt.planning.plan import Plan
@@ -112,10 +113,22 @@ def configure_runtime(options: Options) -> None:
     """
     from fxckpt.runtime import disk, engine, pool
 
+    check_training_options(options)
     engine.set_copy_streams(options.copy_streams)
     pool.set_pool_cap(options.resolve_host_budget())
     if options.offload_dir is not None:
         disk.use_directory(options.offload_dir)
+
+
+def check_training_options(options: Options) -> None:
+    """Raise :class:`OptionsError` for what :class:`Options` accepts but training cannot use,
+    checked without a graph: an ``offload_dir`` that is missing or not writable, an
+    ``offload_dir_bandwidth`` without a directory (``fxckpt inspect`` plans such a disk tier
+    offline), a ``host_budget`` whose machine figures cannot be read. Touches nothing."""
+    from fxckpt.runtime import disk_dir
+
+    if options.offload_dir is not None:
+        disk_dir.check_directory(options.offload_dir)
     elif options.offload_dir_bandwidth is not None:
         raise OptionsError(
             "offload_dir_bandwidth",
@@ -124,6 +137,7 @@ def configure_runtime(options: Options) -> None:
             "a disk tier offline; training needs the directory)",
             "a disk tier's bandwidth, but no offload_dir to write to",
         )
+    options.resolve_host_budget()
 
 
 def compile_graph(
@@ -146,14 +160,18 @@ def compile_graph(
             raise OptionsError(
                 "mode", mode, "no mode with compiler='eager' (modes configure Inductor)"
             )
-        return compat.aot_autograd(
+        compiled = compat.aot_autograd(
             fw_compiler=_boxed_nop,
             bw_compiler=_boxed_nop,
             inference_compiler=_boxed_nop,
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-    return compat.compile_fx(gm, example_inputs, config_patches=inductor_patches(partitioner, mode))
+    else:
+        patches = inductor_patches(partitioner, mode)
+        compiled = compat.compile_fx(gm, example_inputs, config_patches=patches)
+    # What the first training step really holds for the backward, against the plan.
+    return compiled if offline else residency.checked(compiled)
 
 
 def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:
@@ -240,9 +258,13 @@ class Backend:
 def backend(**kwargs: Any) -> Backend:
     """``torch.compile(model, backend=fxckpt.backend(memory_budget="12GiB"))``.
 
-    The options are validated here, before anything is compiled.
+    The options are validated here, before anything is compiled: their values, and what
+    training needs of the machine that can be checked without a graph
+    (:func:`check_training_options`: the ``offload_dir`` exists and is writable, say).
     """
-    return Backend(Options.from_mapping(kwargs))
+    options = Options.from_mapping(kwargs)
+    check_training_options(options)
+    return Backend(options)
 
 
 def reset_caches() -> None:

@@ -327,7 +327,7 @@ class Options:
             raise OptionsError("options", mapping, "a mapping of option names to values")
         for key, value in mapping.items():
             if key not in OPTION_NAMES:
-                near = difflib.get_close_matches(str(key), OPTION_NAMES, n=1)
+                near = suggest_option(str(key))
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 detail = f"unknown option {key!r}{hint}"
                 raise OptionsError(str(key), value, "one of " + ", ".join(OPTION_NAMES), detail)
@@ -476,6 +476,25 @@ def _host_total_bytes() -> int:
 # Names that Options accepts but does not keep: each sets the option it maps to.
 ALIASES: dict[str, str] = {"pinned_pool_bytes": "host_budget"}
 OPTION_NAMES: tuple[str, ...] = (*(f.name for f in dataclasses.fields(Options)), *ALIASES)
+
+
+def suggest_option(key: str) -> list[str]:
+    """The option names a mistyped ``key`` most likely meant, best first (at most two).
+
+    A name the key is part of, or that is part of the key, comes before a merely similar
+    spelling, and among those the options come in the order of :class:`Options`, most used
+    first: ``budget`` means ``memory_budget`` before ``host_budget``, ``stride`` means
+    ``segment_stride``.
+    """
+    norm = key.strip().lower().replace("-", "_")
+    if not norm:
+        return []
+    names = list(OPTION_NAMES)
+    found = [n for n in names if norm in n or n in norm]
+    for n in difflib.get_close_matches(norm, names, n=2):
+        if n not in found:
+            found.append(n)
+    return found[:2]
 
 
 def options_from_env(env_var: str = "FXCKPT_OPTIONS") -> dict[str, Any]:

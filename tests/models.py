@@ -122,7 +122,8 @@ def hf_zoo_model(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """More tiny Hugging Face models from configs (no download), with inputs and labels.
 
-    Encoders (``bert``, ``roberta``, ``modernbert``, ``vit``), an encoder-decoder (``t5``),
+    Encoders (``bert``, ``roberta``, ``modernbert``, ``vit``), encoder-decoders (``t5``,
+    ``whisper``: speech features in, text out),
     decoders (``gpt_neox``, ``opt``, ``mistral``, ``phi3``, ``gemma2``) and a mixture of experts
     (``mixtral``). ``dropout`` sets every dropout probability the config has; attention then
     runs the eager path, whose dropout is an ordinary op (SDPA's would be fused).
@@ -178,6 +179,16 @@ def hf_zoo_model(
                 dropout_rate=p, decoder_start_token_id=0,
             )
         )
+    elif arch == "whisper":
+        model = tf.WhisperForConditionalGeneration(
+            tf.WhisperConfig(
+                vocab_size=vocab, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=8,
+                max_target_positions=32, decoder_start_token_id=0, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, dropout=p,
+            )
+        )
     elif arch == "vit":
         model = tf.ViTForImageClassification(
             tf.ViTConfig(
@@ -194,4 +205,11 @@ def hf_zoo_model(
     if arch == "vit":
         return model, {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.tensor([0, 2])}
     ids = torch.randint(2, vocab, (2, seq), generator=g)
+    if arch == "whisper":
+        # Mel features: 8 bins x 16 frames (two conv layers halve them to 8 positions).
+        return model, {"input_features": torch.randn(2, 8, 16, generator=g), "labels": ids[:, :6]}
     return model, {"input_ids": ids, "labels": ids}
+
+
+# The conv models live with the benchmark that runs them on a GPU (one definition).
+from benchmarks.conv_case import BasicBlock, ConvBNNet, ResNet  # noqa: E402, F401

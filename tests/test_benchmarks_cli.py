@@ -9,6 +9,7 @@ import pytest
 SCRIPTS = (
     "cpu_bench", "planner_scaling", "gpu_check", "plot", "positions", "gpu_cudagraphs",
     "dynamic_budget", "meter_cost", "host_budget", "cpu_goal", "bucket_overhead", "gpu_shaped",
+    "conv_case", "conv_layout",
 )
 
 
@@ -65,3 +66,18 @@ def test_the_cuda_graph_check_is_wired_into_gpu_check_and_skips_the_eager_compil
     # CUDA graphs exist only under Inductor: nothing to run, nothing failed.
     failures, figures = gpu_cudagraphs.run_cudagraph_checks("cpu", compiler="eager")
     assert failures == [] and "skipped" in figures
+
+
+def test_the_conv_case_passes_on_the_cpu_and_gives_gpu_check_one_record():
+    # compiler="eager" here (the Inductor case runs under tests/test_conv_inductor.py and on
+    # a GPU through gpu_check): the verdicts and the record's shape, not Inductor's layouts.
+    from benchmarks import conv_case, gpu_check
+
+    assert any(check.name == "conv_memory" for check in gpu_check.CHECKS)
+    record = conv_case.run("cpu", compiler="eager")
+    assert record["status"] == "passed", record["why"]
+    for budget in conv_case.BUDGETS:
+        row = record[f"budget{budget}"]
+        assert row["held_bytes"] <= budget * record["aot_eager_held_bytes"]
+        assert row["resident"]["ok"] and row["gradients_ok"]
+        assert row["first_step_held_bytes"] == [row["held_bytes"]]

@@ -220,6 +220,25 @@ def test_a_bad_offload_dir_is_refused_at_compile_time(
     assert words in str(inner)
 
 
+@pytest.mark.parametrize(
+    ("options", "name", "words"),
+    [({"offload_dir": "/no/such/dir"}, "offload_dir", "no such directory"),
+     ({"offload_dir": __file__}, "offload_dir", "not a directory"),
+     ({"offload_dir_bandwidth": "2GB/s"}, "offload_dir_bandwidth", "no offload_dir")],
+)  # fmt: skip
+def test_fxckpt_backend_refuses_a_bad_offload_dir_before_compiling(
+    clean: None, options: dict[str, Any], name: str, words: str
+) -> None:
+    with pytest.raises(OptionsError) as info:
+        fxckpt.backend(**options)
+    assert info.value.option == name and words in str(info.value)
+
+
+def test_fxckpt_backend_leaves_a_good_offload_dir_untouched(clean: None, tmp_path: Path) -> None:
+    fxckpt.backend(offload="all", offload_dir=str(tmp_path), offload_dir_bandwidth="2GB/s")
+    assert list(tmp_path.iterdir()) == []  # the first compile makes the process's folder
+
+
 def test_a_short_host_without_a_disk_recomputes_under_a_memory_budget(clean: None) -> None:
     torch.manual_seed(0)
     options = {**ALL, "memory_budget": 1.0, "host_budget": 16384}

@@ -117,7 +117,10 @@ def test_options_error_is_a_value_error() -> None:
 @pytest.mark.parametrize(
     ("key", "suggestion"),
     [("memory_budjet", "memory_budget"), ("segment_strid", "segment_stride"),
-     ("Offload", "offload"), ("copystreams", "copy_streams"), ("block", "blocks")],
+     ("Offload", "offload"), ("copystreams", "copy_streams"), ("block", "blocks"),
+     # A user who writes budget means the device budget, not host_budget (the closer spelling).
+     ("budget", "memory_budget"), ("Budget", "memory_budget"), ("mem_budget", "memory_budget"),
+     ("stride", "segment_stride"), ("width", "segment_width")],
 )  # fmt: skip
 def test_unknown_key_suggests_nearest(key: str, suggestion: str) -> None:
     with pytest.raises(OptionsError) as info:

@@ -11,6 +11,8 @@
                            carries a decision out: it re-tags the joint graph and runs
                            min-cut again, then asks the next round
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
+    8. passes.saved_layout (Inductor) saved graph inputs leave in their own layout, so
+                           Inductor's layout optimization saves no channels-last copy
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
+from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
@@ -282,6 +285,10 @@ def partition(
     plan.assumptions = assumed
     with step(graph_name, "offload"):
         fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+    if inductor:
+        with step(graph_name, "saved layouts"):
+            plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
+    with step(graph_name, "note"):
         plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
         payload = record(plan)
         resident = _resident(fw, part, decision)
@@ -405,7 +412,7 @@ def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if blocks.source == "given":
         return [f"the graph is block {blocks.blocks[0]} (block_index)"] if blocks.index_of else []
     if blocks.index_of:
-        return [f"blocks {blocks.blocks[0]}..{blocks.blocks[-1]} under {blocks.prefix!r}"]
+        return [blocks.describe()]
     return []
 
 

@@ -99,6 +99,15 @@ def _check(root: str) -> None:
         raise OptionsError("offload_dir", root, _ACCEPTED, "not a directory")
 
 
+def check_directory(root: str) -> None:
+    """Raise :class:`OptionsError` naming ``offload_dir`` when ``root`` is missing, not a
+    directory, or not one this process may write and enter; touches nothing there (the
+    first compile makes the process's folder, :func:`use_directory`)."""
+    _check(root)
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OptionsError("offload_dir", root, _ACCEPTED, "cannot write there: permission denied")
+
+
 def _unwritable(root: str, err: OSError) -> OptionsError:
     why = err.strerror or str(err)
     return OptionsError("offload_dir", root, _ACCEPTED, f"cannot write there: {why}")

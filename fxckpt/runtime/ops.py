@@ -219,7 +219,10 @@ def note_saved(
             total += storage.nbytes()
             if largest is None or storage.nbytes() > largest.untyped_storage().nbytes():
                 largest = t
-    stats.note_forward(plan, total, list(largest.shape) if largest is not None else None)
+    stats.note_forward(
+        plan, total, list(largest.shape) if largest is not None else None,
+        kept={ptr for _, ptr in seen},
+    )  # fmt: skip
 
 
 @note_saved.register_fake

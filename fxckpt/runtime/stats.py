@@ -65,7 +65,9 @@ _plans: dict[str, None] = {}
 
 
 class BudgetOverrunWarning(UserWarning):
-    """A forward left more planned-kept bytes on the device than its byte budget allows."""
+    """A forward left more bytes on the device than its budget allows: planned-kept bytes over
+    a byte budget (sizes the plan was not made for), or, measured on a graph's first training
+    step, saved tensors its plan does not count."""
 
 
 @dataclass
@@ -78,6 +80,9 @@ class GraphFigures:
     planned_kept_bytes: int = 0
     offloaded_bytes: int = 0
     fallback_bytes: int = 0
+    # Measured (fxckpt.residency), not planned: what the first training call left saved for
+    # the backward on the device, graph inputs left out. None until measured.
+    held_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,13 +96,17 @@ class _PlanFacts:
 _graphs: dict[str, GraphFigures] = {}
 _facts: dict[str, _PlanFacts] = {}
 _warned_overrun: set[str] = set()
+_warned_held: set[str] = set()
 
 
 class _Pending(threading.local):
-    """Offloads of the forward running on this thread, not yet claimed by its graph's note."""
+    """Offloads of the forward running on this thread, not yet claimed by its graph's note;
+    and the latest note on this thread (its plan payload, kept bytes and kept storages), which
+    :mod:`fxckpt.runtime.residency` reads after a forward it measures."""
 
     offloaded = 0
     fallback = 0
+    note: tuple[str, int, frozenset[int]] | None = None
 
 
 _pending = _Pending()
@@ -147,13 +156,21 @@ def _plan_facts(payload: str) -> _PlanFacts:
     return facts
 
 
-def note_forward(payload: str, kept_bytes: int, largest_shape: list[int] | None) -> None:
+def note_forward(
+    payload: str,
+    kept_bytes: int,
+    largest_shape: list[int] | None,
+    *,
+    kept: set[int] | frozenset[int] = frozenset(),
+) -> None:
     """A forward of the graph whose plan is ``payload`` ended, keeping ``kept_bytes`` on the
-    device as its plan says. Claims this thread's offloads since the previous note."""
+    device as its plan says (``kept``: the addresses of those storages). Claims this thread's
+    offloads since the previous note."""
     add_plan_payload(payload)
     facts = _plan_facts(payload)
     offloaded, fallback = _pending.offloaded, _pending.fallback
     _pending.offloaded = _pending.fallback = 0
+    _pending.note = (payload, kept_bytes, frozenset(kept))
     with _lock:
         fig = _graphs.setdefault(
             facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
@@ -183,6 +200,55 @@ def note_forward(payload: str, kept_bytes: int, largest_shape: list[int] | None)
             f"of shape {largest_shape}). The plan was made for smaller sizes; mark the dynamic "
             "dimension with torch._dynamo.mark_dynamic(t, dim, max=...) so that fxckpt plans "
             "for the longest length. (Warned once per graph.)",
+            BudgetOverrunWarning,
+            stacklevel=3,
+        )
+
+
+def take_note() -> tuple[str, int, frozenset[int]] | None:
+    """The latest note on this thread since the previous call: (plan payload, kept bytes,
+    kept storage addresses), or None."""
+    note, _pending.note = _pending.note, None
+    return note
+
+
+def _figure_list(unplanned: list[tuple[int, list[int], list[int], str]]) -> str:
+    top = sorted(unplanned, key=lambda u: -u[0])[:3]
+    return "; ".join(f"{n} B {dtype} {shape} strides {stride}" for n, shape, stride, dtype in top)
+
+
+def held_measured(
+    payload: str, held_bytes: int, unplanned: list[tuple[int, list[int], list[int], str]]
+) -> None:
+    """The first training call of the graph whose plan is ``payload`` left ``held_bytes``
+    saved for the backward on the device, measured on the tensors autograd saved;
+    ``unplanned`` lists (bytes, shape, strides, dtype) of those its plan does not keep.
+    Warns once per graph where that breaks a budget the plan met."""
+    facts = _plan_facts(payload)
+    with _lock:
+        fig = _graphs.setdefault(
+            facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
+        )
+        fig.held_bytes = held_bytes
+        kept = fig.planned_kept_bytes
+        over = (
+            facts.budget_bytes is not None
+            and facts.planned_peak_bytes is not None
+            and facts.planned_peak_bytes <= facts.budget_bytes < held_bytes
+            and facts.name not in _warned_held
+        )
+        if over:
+            _warned_held.add(facts.name)
+    if over:
+        extra = sum(u[0] for u in unplanned)
+        warnings.warn(
+            f"fxckpt[{facts.name}]: its first training step held {held_bytes} bytes for the "
+            f"backward (measured on the tensors autograd saved, graph inputs left out), over "
+            f"memory_budget={facts.budget_bytes} bytes; the plan keeps {kept} bytes. "
+            f"{len(unplanned)} saved tensors ({extra} bytes) are not in the plan, largest: "
+            f"{_figure_list(unplanned)}. The compiler saved them after fxckpt planned (a "
+            "layout or padding change, say): lower memory_budget by that much to hold the "
+            "budget, and please report it with the model. (Warned once per graph.)",
             BudgetOverrunWarning,
             stacklevel=3,
         )
@@ -264,4 +330,6 @@ def reset() -> None:
         _plans.clear()
         _graphs.clear()
         _warned_overrun.clear()
+        _warned_held.clear()
     _pending.offloaded = _pending.fallback = 0
+    _pending.note = None
