@@ -207,7 +207,8 @@ def reasons(
             elif not solution.feasible:
                 why = "keep: evicting it would not lower the resident peak"
             else:
-                why = f"keep: fits the budget ({_size(solution.peak)} of {_size(budget)})"
+                at = "step peak" if problem.timeline.fixed_resident is not None else "resident peak"
+                why = f"keep: fits the budget ({at} {_size(solution.peak)} of {_size(budget)})"
             out[s.key] = Choice("keep", why)
     return out
 
