@@ -102,10 +102,12 @@ def test_two_models_trained_from_two_threads_at_once_stay_exact(copy_streams: in
     s = fxckpt.stats()
     assert s["offload_calls"] == STEPS * offloads_per_step  # no call lost or counted twice
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
-    # One engine and one pool for the device, shared by both threads.
-    assert list(engine._engines) == [torch.device("cpu")]
-    assert list(pool._pools) == ["cpu"]
-    workers = [t.name for t in threading.enumerate() if t.name.startswith("fxckpt-")]
+    # One engine (of the compiles' stream count) and one pool for the device, shared by both
+    # threads.
+    assert (torch.device("cpu"), copy_streams) in engine._engines
+    assert list(pool._pools) == [("cpu", pool.SHARED)]
+    workers = [t.name for t in threading.enumerate()
+               if t.name.startswith((f"fxckpt-d2h-{copy_streams}_", f"fxckpt-h2d-{copy_streams}_"))]
     assert 0 < len(workers) <= 2 * copy_streams
     del work
     gc.collect()

@@ -17,6 +17,7 @@ import fxckpt
 from fxckpt import _link
 from fxckpt.errors import OptionsError
 from fxckpt.runtime import engine, pool, stats
+from fxckpt.runtime.settings import RuntimeSettings
 
 OPS = torch.ops.fxckpt
 SLOW = "10MB/s"  # a 256 KiB copy occupies its queue for ~26 ms
@@ -24,11 +25,11 @@ SLOW = "10MB/s"  # a 256 KiB copy occupies its queue for ~26 ms
 
 @pytest.fixture(autouse=True)
 def _clean_runtime():
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
     stats.reset()
     yield
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
 
 
@@ -97,10 +98,10 @@ def test_copies_in_one_direction_run_one_after_another(windows):
     big, small = _tensor(512 * 1024, 1), _tensor(4096, 2)
     done: list[tuple[str, float]] = []
     with fxckpt.emulate_link(SLOW):
-        engine.set_copy_streams(2)  # two workers: only the shared queue can serialise them
-        hb = OPS.offload(big)
+        two = RuntimeSettings(copy_streams=2).key()  # two workers: only the shared queue can serialise them
+        hb = OPS.offload(big, profile=two)
         _record(_transfer(hb).d2h, done, "big")
-        hs = OPS.offload(small)
+        hs = OPS.offload(small, profile=two)
         _record(_transfer(hs).d2h, done, "small")
         OPS.offload_done(hb, big)
         OPS.offload_done(hs, small)
