@@ -189,12 +189,12 @@ def run_suite(
         fxckpt.reset_stats()
         _sync(device)
         start = time.perf_counter()
-        # Eager rows allocate nothing to compile: their first step is measured as it runs
-        # (full_checkpoint's step peak becomes fxckpt_at_full_ckpt's budget).
+        # Eager rows allocate nothing to compile: their first forward is measured as it
+        # runs (full_checkpoint's figure becomes fxckpt_at_full_ckpt's budget).
         meter = None if runner.compiled else fxckpt.Meter(device)
         try:
             with _quiet_fd2():
-                loss, resident, host = runner.step(idx, tgt, counter, step_meter=meter)
+                loss, resident, host = runner.step(idx, tgt, counter, meter=meter)
         except Exception as e:  # a method that cannot run here is a row that says why
             log(f"  {spec.name}: unavailable: {type(e).__name__}: {str(e).splitlines()[0]}")
             rows[spec.name] = _row(spec, runner, seq, batch, unavailable=f"{type(e).__name__}: "
@@ -222,8 +222,8 @@ def run_suite(
             row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
         if spec.kind in BUDGET_SOURCES:
             assert meter is not None and meter.result is not None
-            budgets[BUDGET_SOURCES[spec.kind]] = meter.result.peak_bytes
-            row["first_step_peak_bytes"] = meter.result.peak_bytes
+            budgets[BUDGET_SOURCES[spec.kind]] = meter.result.held_bytes
+            row["held_after_first_forward_bytes"] = meter.result.held_bytes
         rows[spec.name] = row
         runners.append(runner)
         log(f"  {spec.name:<22} first step {first_s:6.1f} s, saved (hook) "

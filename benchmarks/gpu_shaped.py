@@ -90,20 +90,20 @@ def method_specs(quick: bool) -> list[MethodSpec]:
           for s in ((1,) if quick else (1, 2, 4, 8))),
         *(() if quick else (fx("fxckpt_none", "no memory_budget"),)),
         fx(PLAN_FITS, "memory_budget=1.0: what plain min-cut already meets", memory_budget=1.0),
-        *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of the step peak min-cut leaves above the floor)",
+        *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of min-cut's saved bytes)",
              memory_budget=b) for b in ((0.5, 0.3, 0.25, 0.2, 0.15) if quick
                                         else (0.5, 0.4, 0.3, 0.25, 0.2, 0.15))),
-        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's measured step peak",
+        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's bytes after its forward",
            memory_budget=AT_FULL_CHECKPOINT),
-        fx("fxckpt_below_full_ckpt", "memory_budget = 0.9 of full_checkpoint's measured step peak",
-           memory_budget=scaled(AT_FULL_CHECKPOINT, 0.9)),
+        fx("fxckpt_half_full_ckpt", "memory_budget = half of full_checkpoint's bytes",
+           memory_budget=scaled(AT_FULL_CHECKPOINT, 0.5)),
         # What pricing the link moves: the same budgets, planned as if copies were free.
         fx("fxckpt_budget0.25_free_link", f"memory_budget=0.25, planned at bandwidth={FREE_LINK}",
            memory_budget=0.25, bandwidth=FREE_LINK),
     ]
     if not quick:
         specs.append(fx("fxckpt_at_full_ckpt_free_link",
-                        f"memory_budget = full_checkpoint's step peak, planned at bandwidth={FREE_LINK}",
+                        f"memory_budget = full_checkpoint's bytes, planned at bandwidth={FREE_LINK}",
                         memory_budget=AT_FULL_CHECKPOINT, bandwidth=FREE_LINK))
     return specs
 
@@ -168,10 +168,8 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
         "graphs": len(plans),
         "budget_bytes": [p.budget_bytes for p in plans],
         "resident_peak_bytes": sum(p.resident_peak_bytes for p in plans),
-        "predicted_step_peak_bytes": (sum(p.step_peak_bytes or 0 for p in plans)
+        "predicted_step_peak_bytes": (sum(p.predicted_step_peak_bytes or 0 for p in plans)
                                       if len(plans) == 1 else None),
-        "step_peak": plans[0].step_peak if len(plans) == 1 else None,
-        "budget_basis": plans[0].budget_basis if len(plans) == 1 else None,
         "baseline_saved_bytes": sum(p.baseline_saved_bytes for p in plans),
         "offloaded_bytes": sum(p.offloaded_bytes for p in plans),
         "offloads": len(offloads),

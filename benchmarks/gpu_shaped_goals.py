@@ -100,9 +100,9 @@ def goal_records(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "predicted_step_peak_bytes": by[worst]["plan"]["predicted_step_peak_bytes"],
                 "budget_row": PLAN_AT_FULL, "budget_bytes": budget,
                 "budget_row_step_peak_bytes": at.get("peak_bytes")},
-               failed=(f"at {PLAN_AT_FULL} the step's measured peak "
-                       f"({at['peak_bytes'] / 2**20:.2f} MiB) is above its memory_budget "
-                       f"({budget / 2**20:.2f} MiB)" if over else None))
+               failed=(f"at {PLAN_AT_FULL} the step's peak ({at['peak_bytes'] / 2**20:.2f} MiB) "
+                       f"is above memory_budget ({budget / 2**20:.2f} MiB), which bounds saved "
+                       "activations, not the step" if over else None))
     else:
         record("peak_vs_simulator", None, {}, skipped="no fxckpt row predicted its step peak")
     # 2. At full checkpointing's measured step peak, against full checkpointing.

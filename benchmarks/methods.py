@@ -260,9 +260,8 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 # Methods
 # ---------------------------------------------------------------------------------------------
 
-# memory_budget placeholders: the harness replaces each with the named baseline's measured
-# peak over its first whole step (full_checkpoint's, save_on_cpu's), the figure a budget
-# bounds on static shapes.
+# memory_budget placeholders: the harness replaces each with what the named baseline's
+# forward measurably left on the device (full_checkpoint's, save_on_cpu's).
 AT_FULL_CHECKPOINT = "at_full_checkpoint"
 AT_SAVE_ON_CPU = "at_save_on_cpu"
 BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU,
@@ -362,22 +361,19 @@ class Runner:
 
     def step(self, idx: torch.Tensor, tgt: torch.Tensor, counter: SavedCounter | None = None,
              on_forward: Callable[[], None] | None = None, meter: Any = None,
-             step_meter: Any = None) -> tuple[float, int | None, int | None]:
+             ) -> tuple[float, int | None, int | None]:
         """Forward and backward; returns (loss, resident saved bytes, host saved bytes) as
         the saved-tensors hook counts them.
 
         ``on_forward`` runs between the forward and the backward (memory probes); ``meter``
-        (an ``fxckpt.Meter``) measures the forward alone, ``step_meter`` the whole step
-        (meters do not nest: one or the other).
+        (an ``fxckpt.Meter``) measures the forward alone.
         """
-        if meter is not None and step_meter is not None:
-            raise ValueError("pass meter or step_meter, not both")
         for p in self.model.parameters():
             p.grad = None
         ctx = self.first_call() if self.calls == 0 else contextlib.nullcontext()
         self.calls += 1
         resident = host = None
-        with ctx, step_meter if step_meter is not None else contextlib.nullcontext():
+        with ctx:
             with meter if meter is not None else contextlib.nullcontext():
                 if counter is None:
                     loss = self.call(idx, tgt)

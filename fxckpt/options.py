@@ -350,28 +350,21 @@ class Options:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def resolve_budget(
-        self, baseline_bytes: int, *, device: torch.device | str | None = None,
-        floor_bytes: int = 0,
+        self, baseline_saved_bytes: int, *, device: torch.device | str | None = None
     ) -> int | None:
         """Return the budget in bytes for one graph, or ``None`` when there is no limit.
 
-        ``baseline_bytes`` is plain min-cut's figure on the measure the budget bounds, and
-        ``floor_bytes`` the part of it no plan removes (on static shapes: the step's peak, and
-        that peak with no saved tensor counted). A float budget ``f`` is the floor plus ``f`` of
-        the rest: ``floor + f * (baseline - floor)``, so 1.0 is what min-cut reaches and the
-        fraction scales what a plan can change. ``"auto"`` is the memory free on ``device`` now
-        (``None`` means the host), less ``AUTO_MARGIN`` of it and ``AUTO_MARGIN_BYTES``, and
-        never below 0.
+        ``baseline_saved_bytes`` is what plain min-cut saves; a float budget is a fraction of it.
+        ``"auto"`` is the memory free on ``device`` now (``None`` means the host), less
+        ``AUTO_MARGIN`` of it and ``AUTO_MARGIN_BYTES``, and never below 0.
         """
         budget = self.memory_budget
         if budget is None or isinstance(budget, int):
             return budget
         if isinstance(budget, float):
-            if baseline_bytes < 0:
-                raise ValueError(f"baseline_bytes must be >= 0, got {baseline_bytes}")
-            if not 0 <= floor_bytes <= baseline_bytes:
-                raise ValueError(f"floor_bytes must be in [0, {baseline_bytes}], got {floor_bytes}")
-            return floor_bytes + int(budget * (baseline_bytes - floor_bytes))
+            if baseline_saved_bytes < 0:
+                raise ValueError(f"baseline_saved_bytes must be >= 0, got {baseline_saved_bytes}")
+            return int(budget * baseline_saved_bytes)
         free = _free_bytes(device)
         return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
 

@@ -85,7 +85,7 @@ def test_the_measurement_runs_end_to_end_on_a_tiny_decoder():
         assert r["grads_match"], r["grads_note"]
         assert r["step_peak_bytes"] > 0
     assert by[g.AT_FULL]["options"]["memory_budget"] == by["full_checkpoint"][
-        "first_step_peak_bytes"]
+        "held_after_first_forward_bytes"]
     assert by[g.AT_SOC]["plan"]["budget_bytes"] is not None
     goals = g.judge(got, label="cpu")
     assert list(goals) == list(GOAL_KEYS)

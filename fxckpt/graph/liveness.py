@@ -6,9 +6,11 @@ this counts everything a graph holds, from the nodes' ``meta["val"]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from itertools import accumulate
 from typing import TYPE_CHECKING
+
+from fxckpt.graph import meta
 
 if TYPE_CHECKING:
     import torch.fx
@@ -58,29 +60,7 @@ def live_bytes_timeline(
     skip_storages: Collection[object] = (),
     fresh: Mapping[torch.fx.Node, int] | None = None,
 ) -> list[int]:
-    """Bytes of all live tensors at each node position of ``gm`` (see :func:`live_spans`)."""
-    spans = live_spans(gm, counted, allocated_at, skip_storages, fresh)
-    return timeline_of(spans.values(), len(gm.graph.nodes))
-
-
-def timeline_of(spans: Iterable[tuple[int, int, int, torch.fx.Node]], n: int) -> list[int]:
-    """Live bytes at each of ``n`` positions, from ``(bytes, first, last, node)`` spans."""
-    diff = [0] * (n + 1)
-    for nbytes, first, last, _ in spans:
-        diff[first] += nbytes
-        diff[last + 1] -= nbytes
-    return list(accumulate(diff[:n]))
-
-
-def live_spans(
-    gm: torch.fx.GraphModule,
-    counted: Callable[[torch.fx.Node], bool] | None = None,
-    allocated_at: Mapping[torch.fx.Node, int] | None = None,
-    skip_storages: Collection[object] = (),
-    fresh: Mapping[torch.fx.Node, int] | None = None,
-) -> dict[object, tuple[int, int, int, torch.fx.Node]]:
-    """Each counted storage of ``gm``: ``(bytes, first position, last position, the node
-    whose output allocates it)``.
+    """Bytes of all live tensors at each node position of ``gm`` (the whole-graph timeline).
 
     Sizes come from ``node.meta["val"]`` (FakeTensors or tensors). Each storage is counted
     once: views share their base's storage, and it stays live from its first producer to the
@@ -99,7 +79,6 @@ def live_spans(
     skipped: set[object] = {("storage", k) for k in skip_storages}
     alias: dict[object, object] = {}  # a storage's key -> the fresh buffer standing for it
     span: dict[object, list[int]] = {}  # storage key -> [bytes, first, last]
-    owner: dict[object, torch.fx.Node] = {}
     keys_of: dict[torch.fx.Node, list[object]] = {}
     for k, node in enumerate(nodes):
         val = node.meta.get("val")
@@ -117,7 +96,6 @@ def live_spans(
                 alias[key] = ("fresh", node.name)
                 keys.append(alias[key])
                 span[alias[key]] = [fresh[node], start, k]
-                owner[alias[key]] = node
                 continue
             key = alias.get(key, key)
             if counted is not None and not counted(node):
@@ -127,14 +105,57 @@ def live_spans(
             keys.append(key)
             if key not in span:
                 span[key] = [_tensor_bytes(v), start, k]
-                owner[key] = node
         keys_of[node] = keys
         last = max((pos[u] for u in node.users), default=k)
         for key in keys:
             span[key][2] = max(span[key][2], last)
-    return {key: (b, first, last, owner[key]) for key, (b, first, last) in span.items()}
+    diff = [0] * (len(nodes) + 1)
+    for nbytes, first, last in span.values():
+        diff[first] += nbytes
+        diff[last + 1] -= nbytes
+    return list(accumulate(diff[: len(nodes)]))
 
 
 def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
     """The whole-graph peak: the largest entry of :func:`live_bytes_timeline`."""
     return max(live_bytes_timeline(gm), default=0)
+
+
+def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """The peak of the memory one training step allocates, predicted from the liveness of its
+    partitioned forward and backward graphs as fxckpt's rewrite left them.
+
+    Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
+    batch; the backward takes the parameters it needs as inputs too), and host memory (the
+    offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
+    saved tensors, freed at their last use; the tangents), what it computes and recomputes,
+    and each restored tensor from its prefetch on, where the engine allocates its buffer.
+    Each graph's timeline is exact for graphs run op by op (``compiler="eager"``); Inductor
+    fuses ops and frees buffers it reuses, so there it is an upper bound.
+    """
+    # Storages of the forward's inputs, whatever aliases them later (a saved transpose of a
+    # weight): the two graphs' values share one fake mode, so its storages too.
+    inputs = {key for n in fw.graph.find_nodes(op="placeholder")
+              if (key := storage_key(n.meta.get("val"))) is not None}
+    fw_live = live_bytes_timeline(fw, skip_storages=inputs)
+    pos = {n: k for k, n in enumerate(bw.graph.nodes)}
+    early: dict[torch.fx.Node, int] = {}
+    fresh: dict[torch.fx.Node, int] = {}
+    waits = set()
+    for n in bw.graph.nodes:
+        if n.meta.get(meta.ROLE) != meta.ROLE_WAIT:
+            continue
+        waits.add(n)
+        ticket = n.args[1] if len(n.args) > 1 else None
+        at = pos[ticket] if getattr(ticket, "meta", {}).get(meta.ROLE) == meta.ROLE_PREFETCH else pos[n]  # type: ignore[index]
+        # One fresh span per restored tensor; a bucket's come out of its wait by getitem.
+        members = [u for u in n.users if u.op == "call_function"] if isinstance(
+            n.meta.get("val"), (list, tuple)) else [n]
+        for m in members:
+            early[m], fresh[m] = at, span_bytes(m.meta.get("val"))
+    bw_live = live_bytes_timeline(
+        # A bucket's wait names its members' storages; each member counts, as its getitem.
+        bw, counted=lambda n: n not in waits, allocated_at=early, skip_storages=inputs,
+        fresh=fresh,
+    )
+    return max([*fw_live, *bw_live], default=0)

@@ -207,8 +207,7 @@ def reasons(
             elif not solution.feasible:
                 why = "keep: evicting it would not lower the resident peak"
             else:
-                at = "step peak" if problem.timeline.fixed_resident is not None else "resident peak"
-                why = f"keep: fits the budget ({at} {_size(solution.peak)} of {_size(budget)})"
+                why = f"keep: fits the budget ({_size(solution.peak)} of {_size(budget)})"
             out[s.key] = Choice("keep", why)
     return out
 

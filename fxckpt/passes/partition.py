@@ -48,19 +48,12 @@ from fxckpt.graph.activations import (
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
-from fxckpt.graph.step_memory import step_floor, step_peak
+from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
-from fxckpt.passes.plan_round import (
-    Partition,
-    RoundDecision,
-    RoundPlanner,
-    saved_peak,
-    settle,
-    timeline,
-)
+from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
 from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
@@ -199,16 +192,7 @@ def partition(
         base_fw, base_bw = cut(joint, consume=stride > 0)
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
     device = device_of(base_fw)
-    # On static shapes the budget bounds the whole step's peak (graph.step_memory); under
-    # dynamic shapes, the saved tensors' resident peak at the sizes planned for.
-    whole_step = not sizes
-    if whole_step:
-        floor = step_floor(base_fw, base_bw, baseline)
-        measure, base_bytes = "step", max(step_peak(base_fw, base_bw).bytes, floor)
-    else:
-        measure, base_bytes, floor = "saved", bytes_per_storage(baseline), 0
-    basis = {"measure": measure, "baseline_bytes": base_bytes, "floor_bytes": floor}
-    budget = options.resolve_budget(base_bytes, floor_bytes=floor, device=device)
+    budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
     report = SegmentReport({}, 0, 0, 0)
     if stride > 0:
         with step(graph_name, "segment"):
@@ -224,8 +208,7 @@ def partition(
         part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
     with step(graph_name, "assumptions"):
         assumed = assumptions(options, device)  # probes run once per device and process
-    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed,
-                           whole_step=whole_step)
+    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
     search_blocks = budget is not None and not options.is_explicit("segment_stride")
@@ -262,7 +245,7 @@ def partition(
     solution_ms = 0.0
     if decision is not None:
         solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes)
-        peak, solution_ms = saved_peak(decision.problem, solution, options.prefetch), solution.cost_ms
+        peak, solution_ms = solution.sim.peak, solution.cost_ms
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")
@@ -298,7 +281,6 @@ def partition(
         notes=notes,
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
-    plan.budget_basis = basis
     plan.timeline = plan_timeline
     plan.assumptions = assumed
     with step(graph_name, "offload"):
@@ -309,8 +291,7 @@ def partition(
         with step(graph_name, "saved layouts"):
             plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
     with step(graph_name, "note"):
-        at = step_peak(fw, bw)
-        plan.step_peak_bytes, plan.step_peak = at.bytes, at.to_dict()
+        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)

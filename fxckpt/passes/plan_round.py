@@ -25,7 +25,6 @@ from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
 from fxckpt.graph.memory import Problem, simulate
-from fxckpt.graph.step_memory import rest_of_step
 from fxckpt.options import Options
 from fxckpt.passes.budget import (
     Storage,
@@ -83,16 +82,13 @@ class RoundDecision:
         return "keep" if choice is None else choice.kind
 
 
-def choose(problem: Problem, blocks: Blocks | None, budget: int | None, prefetch: str, *,
-           rebuilt: bool = False) -> Pick:
-    """The solver's answer for one round (benchmarks wrap this to capture problems).
-
-    ``rebuilt``: a recomputed block's tensors count while the backward rebuilds them."""
+def choose(problem: Problem, blocks: Blocks | None, budget: int | None, prefetch: str) -> Pick:
+    """The solver's answer for one round (benchmarks wrap this to capture problems)."""
     if budget is None:
         from fxckpt.planning.solve import solve
 
         return Pick(NONE, problem, solve(problem, None, prefetch=prefetch), 0.0, {})
-    return search(problem, blocks, budget, prefetch, rebuilt=rebuilt)
+    return search(problem, blocks, budget, prefetch)
 
 
 class RoundPlanner:
@@ -107,14 +103,8 @@ class RoundPlanner:
         num_fwd_outputs: int,
         requests: Set[str],
         assumed: dict[str, dict[str, Any]],
-        *,
-        whole_step: bool = False,
     ) -> None:
         self.options, self.budget, self.device = options, budget, device
-        # The budget bounds the whole step: the simulator's saved bytes ride on everything
-        # else the step holds (graph.step_memory.rest_of_step), and a recomputed block's
-        # tensors count while the backward rebuilds them.
-        self.whole_step = whole_step
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
         # What copies cost (graph.costs.assumptions): the plan records these very figures.
         # Copies are planned as taking 1 + copy_margin times the link's figures, so that one
@@ -165,10 +155,6 @@ class RoundPlanner:
             copy_overhead_ms=self.copy_overhead_ms,
             link_overhead_ms=self.link_overhead_ms,
         )
-        if self.whole_step:
-            rest = rest_of_step(part.fw, part.bw, part.saved)
-            problem = Problem(dataclasses.replace(problem.timeline, fixed_resident=rest),
-                              problem.candidates)
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
         # a host budget too: the host tiers are decided tensor by tensor, and a bucket's one
@@ -188,7 +174,7 @@ class RoundPlanner:
             pick = choose(plain, None, budget, opts.prefetch)
             pick = pick if pick.feasible else None
         if pick is None:
-            pick = choose(problem, facts, budget, opts.prefetch, rebuilt=self.whole_step)
+            pick = choose(problem, facts, budget, opts.prefetch)
         decision = _decision(pick, storages, flops, forced_why, budget)
         pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
         return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute, pinned=pinned)
@@ -317,15 +303,6 @@ def infeasible(
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
-
-
-def saved_peak(problem: Problem, solution: Solution, prefetch: str) -> int:
-    """The saved tensors' resident peak under ``solution``, without the rest of the step the
-    problem may carry (``Timeline.fixed_resident``): the plan's ``resident_peak_bytes``."""
-    if problem.timeline.fixed_resident is None:
-        return solution.sim.peak
-    bare = Problem(dataclasses.replace(problem.timeline, fixed_resident=None), problem.candidates)
-    return simulate(bare, solution.choices, prefetch=prefetch).peak  # type: ignore[arg-type]
 
 
 def timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200

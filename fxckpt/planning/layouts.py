@@ -228,14 +228,11 @@ def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], pref
             if layout.kind != "stride" or counted_low(layout) <= ceiling]
 
 
-def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto", *,
-           rebuilt: bool = False) -> Pick:
+def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto") -> Pick:
     """The cheapest point of any admissible layout that meets ``budget``; else the layout
     whose lowest peak is lowest (ties: less block time), at the solver's lowest peak on it.
 
-    Without ``blocks`` only the layout with no blocks is searched. ``rebuilt``: a layout's
-    freed tensors count while its segments rebuild them (:func:`apply`), as the budget counts
-    them on the partition that carries the layout out when it bounds the whole step.
+    Without ``blocks`` only the layout with no blocks is searched.
     """
     options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
     facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
@@ -254,7 +251,7 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
             break  # nothing left can beat it
         layout = options[k]
         ms = blocks_ms(facts, layout)
-        pb = apply(problem, facts, layout, rebuilt=rebuilt)
+        pb = apply(problem, facts, layout)
         if not tight:
             bound = ms + lower_bound(pb, budget, iso)
             if math.isfinite(bound):
@@ -268,13 +265,13 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
         return best[3]
     lowest: tuple[int, float, int] | None = None
     for k in allowed:
-        pb = apply(problem, facts, options[k], rebuilt=rebuilt)
+        pb = apply(problem, facts, options[k])
         c = pb.candidates
         low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
         here = (low, blocks_ms(facts, options[k]), k)
         lowest = here if lowest is None or here < lowest else lowest
     layout = options[lowest[2]] if lowest is not None else NONE
-    pb = apply(problem, facts, layout, rebuilt=rebuilt)
+    pb = apply(problem, facts, layout)
     sol = greedy_curve(pb, prefetch).solution(budget)
     return Pick(layout, pb, sol, blocks_ms(facts, layout), freed(facts, layout))
 

@@ -141,31 +141,8 @@ class Plan:
     # "measured", "option", "default" or "emulated".
     assumptions: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The whole training step's peak, predicted from the rewritten graphs' liveness
-    # (graph.step_memory.step_peak): saved, recomputed, restored and every other tensor the
-    # step allocates; on static shapes this is what budget_bytes bounds. ``step_peak``:
-    # where it falls (graph, position, node) and its parts (graph.step_memory.PARTS).
-    step_peak_bytes: int | None = None
-    step_peak: dict[str, Any] | None = None
-    # What budget_bytes bounds and where it came from: {"measure": "step" (the whole step's
-    # peak, static shapes) or "saved" (saved tensors' resident peak, dynamic shapes),
-    # "baseline_bytes": plain min-cut's figure on that measure, "floor_bytes": what no plan
-    # goes below (graph.step_memory.step_floor; 0 for "saved")}. A fraction f is
-    # floor + f * (baseline - floor).
-    budget_basis: dict[str, Any] | None = None
-
-    @property
-    def budgeted_peak_bytes(self) -> int:
-        """The figure ``budget_bytes`` bounds: the step's predicted peak, or (under dynamic
-        shapes, and in plans that record no basis) the saved tensors' resident peak."""
-        basis = self.budget_basis or {}
-        if basis.get("measure") == "step" and self.step_peak_bytes is not None:
-            return self.step_peak_bytes
-        return self.resident_peak_bytes
-
-    @property
-    def predicted_step_peak_bytes(self) -> int | None:
-        """:attr:`step_peak_bytes` (its name in plans written before budgets bounded it)."""
-        return self.step_peak_bytes
+    # (graph.liveness.step_peak_bytes): saved, recomputed, restored and every other tensor.
+    predicted_step_peak_bytes: int | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -217,9 +194,7 @@ class Plan:
             "activations": [a.to_dict() for a in self.activations],
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
-            "step_peak_bytes": self.step_peak_bytes,
-            "step_peak": None if self.step_peak is None else dict(self.step_peak),
-            "budget_basis": None if self.budget_basis is None else dict(self.budget_basis),
+            "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
         }
 
     @staticmethod
@@ -235,9 +210,7 @@ class Plan:
             notes=list(d.get("notes", [])),
             timeline=d.get("timeline"),
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
-            step_peak_bytes=d.get("step_peak_bytes", d.get("predicted_step_peak_bytes")),
-            step_peak=d.get("step_peak"),
-            budget_basis=d.get("budget_basis"),
+            predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
         )
 
     def summary(self) -> str:
@@ -253,9 +226,6 @@ class Plan:
             f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}"
             + (f" ({mib(self.disk_bytes)} to disk)" if self.disk_bytes else "")
             + f", recomputed {mib(self.recomputed_bytes)}"
-            + (f"; step peak {mib(self.step_peak_bytes)}" if self.step_peak_bytes else "")
-            + (f" in the {self.step_peak['graph']} at {self.step_peak['node']}"
-               if self.step_peak and self.step_peak.get("node") else "")
         )
 
 

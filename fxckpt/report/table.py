@@ -93,7 +93,7 @@ def totals(plans: Sequence[Plan]) -> Totals:
         over_budget=tuple(
             p.name
             for p in plans
-            if p.budget_bytes is not None and p.budgeted_peak_bytes > p.budget_bytes
+            if p.budget_bytes is not None and p.resident_peak_bytes > p.budget_bytes
         ),
     )
 
@@ -113,8 +113,6 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("baseline saved (plain min-cut)", human_bytes(base)),
         ("budget", budget),
         ("resident peak (plan)", share(t.resident_peak_bytes)),
-        *[("step peak (plan)" + (f", {p.name}" if len(plans) > 1 else ""), step_peak_line(p))
-          for p in plans if p.step_peak_bytes is not None],
         ("offloaded to host", share(t.host_bytes)),
         ("offloaded to disk", share(t.disk_bytes)),
         ("recomputed", share(t.recomputed_bytes)
@@ -133,21 +131,9 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
     for p in plans:
         if p.name in t.over_budget and p.budget_bytes is not None:
             items.append(("OVER BUDGET", f"graph {p.name} peaks at "
-                          f"{human_bytes(p.budgeted_peak_bytes)} > {human_bytes(p.budget_bytes)}; "
+                          f"{human_bytes(p.resident_peak_bytes)} > {human_bytes(p.budget_bytes)}; "
                           "showing the smallest plan found"))  # fmt: skip
     return items
-
-
-def step_peak_line(plan: Plan) -> str:
-    """``12.0 MiB in the backward at mm_3 (saved 4.0 MiB, computed 8.0 MiB)``, and what the
-    budget bounds."""
-    at = plan.step_peak or {}
-    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in (at.get("parts") or {}).items() if v)
-    where = f" in the {at['graph']} at {at['node']}" if at.get("node") else ""
-    basis = (plan.budget_basis or {}).get("measure")
-    bound = ("; the budget bounds it" if basis == "step" else
-             "; the budget bounds saved tensors (dynamic shapes)" if basis == "saved" else "")
-    return f"{human_bytes(plan.step_peak_bytes or 0)}{where}" + (f" ({parts})" if parts else "") + bound
 
 
 def largest_kept(plans: Sequence[Plan], n: int = 5) -> list[PlannedActivation]:
