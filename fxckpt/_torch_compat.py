@@ -23,6 +23,11 @@ if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
 
 # Partitioning.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+
+# aot_eager's no-op compiler: the graph takes its inputs as one list and lets go of each at
+# its last use (_BoxedCodeGen). make_boxed_func(gm.forward) alone unpacks the list into the
+# frame, which then holds every saved tensor until the whole backward has run.
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
@@ -349,6 +354,7 @@ __all__ = [
     "RECOMPUTE_POLICIES",
     "TORCH_VERSION",
     "aot_autograd",
+    "boxed_nop",
     "compile_fx",
     "dedup_joint",
     "has_side_effect",
