@@ -6,7 +6,9 @@ may move again; when they do, this is the only file to change.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -462,3 +464,61 @@ def saved_tensors_hooks_free() -> bool:
         autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
         and autograd._top_saved_tensors_default_hooks(False) is None
     )
+
+
+def current_compile_id() -> Any:
+    """Dynamo's id of the frame being compiled (``"0/1"``-like), or None outside a compile."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+def inductor_mode_options() -> dict[str, dict[str, Any]]:
+    """``torch.compile``'s ``mode`` names and the Inductor settings each stands for."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options())
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame, so the next call compiles anew."""
+    torch._dynamo.reset()
+
+
+def backend_failure() -> type[Exception]:
+    """The exception dynamo wraps a backend's error in (its ``inner_exception`` is the error)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed
+
+
+@contextlib.contextmanager
+def composite_ops_decompose_on_meta() -> Iterator[None]:
+    """Let CompositeImplicitAutograd ops decompose on meta tensors, as they do on real ones.
+
+    torch._meta_registrations registers a Python Meta kernel for some composite ops (nll_loss,
+    var_mean, ...). Under the Python dispatcher, which AOTAutograd enables while tracing the
+    joint graph, that kernel makes ``torch._ops.resolve_key`` see a backend kernel for Meta,
+    so AutogradMeta resolves to the autograd fallback instead of the decomposition: the op gets
+    no gradient and the backward graph comes out empty. Eager meta tensors never consult these
+    kernels, so hiding them while planning changes nothing else.
+    """
+    removed: list[tuple[Any, Any]] = []
+    meta_key = torch._C.DispatchKey.Meta
+    for name in dir(torch.ops.aten):  # the packets loaded so far; the registrations load them
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if meta_key in op.py_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), "CompositeImplicitAutograd"
+            ):
+                removed.append((op, op.py_kernels.pop(meta_key)))
+                op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed:
+            op.py_kernels[meta_key] = kernel
+            op._dispatch_cache.clear()

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 
 from fxckpt import _torch_compat as compat
@@ -40,9 +39,7 @@ def _source_hash() -> str:
 
 
 def _graph_name() -> str:
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
+    compile_id = compat.current_compile_id()
     serial = next(_graph_counter)
     if compile_id is None:
         return f"graph_{serial}"
@@ -221,9 +218,7 @@ def mode_patches(mode: str | None) -> dict[str, Any]:
     """
     if mode in (None, "default"):
         return {}
-    from torch._inductor import list_mode_options
-
-    modes = list_mode_options()
+    modes = compat.inductor_mode_options()
     if mode not in modes:
         raise OptionsError("mode", mode, "one of " + ", ".join(repr(m) for m in modes))
     return dict(modes[mode])
@@ -287,4 +282,4 @@ def backend(**kwargs: Any) -> Backend:
 
 def reset_caches() -> None:
     """Forget compiled graphs, so the next call compiles anew (for tests and benchmarks)."""
-    torch._dynamo.reset()
+    compat.reset_dynamo()

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from fxckpt import _torch_compat as compat
 from fxckpt.backend import Backend
 from fxckpt.errors import FxckptError, OptionsError
 from fxckpt.options import Options
@@ -53,38 +54,6 @@ class Workload:
 # --------------------------------------------------------------------------------------------
 # Making meta tensors behave like a GPU's
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _composite_ops_decompose_on_meta() -> Iterator[None]:
-    """Let CompositeImplicitAutograd ops decompose on meta tensors, as they do on real ones.
-
-    torch._meta_registrations registers a Python Meta kernel for some composite ops (nll_loss,
-    var_mean, ...). Under the Python dispatcher, which AOTAutograd enables while tracing the
-    joint graph, that kernel makes ``torch._ops.resolve_key`` see a backend kernel for Meta,
-    so AutogradMeta resolves to the autograd fallback instead of the decomposition: the op gets
-    no gradient and the backward graph comes out empty. Eager meta tensors never consult these
-    kernels, so hiding them while planning changes nothing else.
-    """
-    removed: list[tuple[Any, Any]] = []
-    meta_key = torch._C.DispatchKey.Meta
-    for name in dir(torch.ops.aten):  # the packets loaded so far; the registrations load them
-        packet = getattr(torch.ops.aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if meta_key in op.py_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(
-                op.name(), "CompositeImplicitAutograd"
-            ):
-                removed.append((op, op.py_kernels.pop(meta_key)))
-                op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        for op, kernel in removed:
-            op.py_kernels[meta_key] = kernel
-            op._dispatch_cache.clear()
 
 
 _SDPA = F.scaled_dot_product_attention
@@ -133,7 +102,7 @@ def offline_dispatch() -> Iterator[None]:
     """While planning on meta tensors: gradients for composite ops, and GPU attention kernels."""
     F.scaled_dot_product_attention = _gpu_sdpa
     try:
-        with _composite_ops_decompose_on_meta():
+        with compat.composite_ops_decompose_on_meta():
             yield
     finally:
         F.scaled_dot_product_attention = _SDPA
@@ -274,7 +243,7 @@ def plan_workload(
     module = _Step(model, work.loss_fn)
     was_training = module.training
     module.train()  # plan the training step: dropout and friends as in training
-    torch._dynamo.reset()
+    compat.reset_dynamo()
     stats.reset()
     compiled = torch.compile(module, backend=Backend(options, offline=True))
     start = time.perf_counter()
@@ -282,14 +251,14 @@ def plan_workload(
     try:
         with offline_dispatch(), _report_steps(say), torch.device("meta"):
             compiled(*args, **kwargs)
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    except compat.backend_failure() as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, FxckptError):
             raise inner from None
         raise
     finally:
         module.train(was_training)
-        torch._dynamo.reset()
+        compat.reset_dynamo()
     plans = [Plan.from_dict(json.loads(p)) for p in stats.plan_payloads() if p]
     say(f"planned {len(plans)} graph(s) in {time.perf_counter() - start:.1f} s")
     if not plans:
@@ -326,7 +295,7 @@ def inspect(
     plan over budget is still shown. Nothing runs on real tensors: weights and inputs are
     replaced by meta tensors of the same shapes.
 
-    Like a fresh compile in a benchmark, this calls ``torch._dynamo.reset()`` before and after
+    Like a fresh compile in a benchmark, this calls ``compat.reset_dynamo()`` before and after
     planning (other compiled models in the process recompile on their next call) and
     :func:`fxckpt.reset_stats` before it.
     """

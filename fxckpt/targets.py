@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fxckpt import _torch_compat as compat
 from fxckpt.errors import OptionsError
 from fxckpt.graph.costs import Rates, device_rates
 
@@ -144,12 +145,12 @@ def block_figures(model: nn.Module, inputs: tuple[Any, ...], rates: Rates, *,
         return fw, bw
 
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
-    torch._dynamo.reset()
+    compat.reset_dynamo()
     try:
         with _offline() if meta else contextlib.nullcontext():
             torch.compile(model, backend=backend, dynamic=False)(*inputs)
     finally:
-        torch._dynamo.reset()
+        compat.reset_dynamo()
     if "blocks" not in got:
         raise OptionsError("model", type(model).__name__, "a model whose forward has a loss "
                            "to differentiate (one graph, no graph break before it)")

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import run_after
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
@@ -209,7 +210,7 @@ def _computes(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return (
         node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
+        and isinstance(target, compat.OpOverload)
         and not target.is_view
         and meta.ROLE not in node.meta
         and (isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and len(val) > 0))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import CheckpointPolicy
 from fxckpt.graph import meta
 from fxckpt.graph.blocks import BlockFacts
@@ -35,7 +36,7 @@ def _is_random(node: fx.Node) -> bool:
     """
     target = node.target
     if not (
-        isinstance(target, torch._ops.OpOverload)
+        isinstance(target, compat.OpOverload)
         and torch.Tag.nondeterministic_seeded in target.tags
     ):
         return False
