@@ -7,7 +7,7 @@ Nothing here runs at import: bandwidth is measured on first use and cached per p
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fxckpt._torch_compat import flop_formula
@@ -171,10 +171,12 @@ def _gpu_like(device: str) -> bool:
 
 # Sources of an assumed figure: measured on this machine, given as an option, or the table's.
 MEASURED, OPTION, DEFAULT = "measured", "option", "default"
+RUN_TIME = "measured at run time"  # a re-plan's figures, from the graph's own copies
 UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
 
-def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
+def assumptions(options: Options, device: Any, measured: Mapping[str, float] | None = None
+                ) -> dict[str, dict[str, Any]]:
     """What the cost model assumes for one compile on ``device``, each figure with where it
     came from: ``{"name": {"value": float, "source": "measured" | "option" | "default"}}``.
 
@@ -189,6 +191,9 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
     ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
     that replaces a figure for a whole compile (an emulated host link, say, with its own
     source name) hooks in here, and the plan, the logs and ``fxckpt inspect`` follow.
+
+    ``measured``: figures measured while the graph ran (a re-plan, :mod:`fxckpt.adapt`);
+    each replaces the figure of its name, with the source ``"measured at run time"``.
     """
     name = device if isinstance(device, str) else str(device)
     gpu = _gpu_like(name)
@@ -202,12 +207,15 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
         bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
     flops = DEFAULT_CUDA_FLOPS_PER_MS if gpu else DEFAULT_CPU_FLOPS_PER_MS
     traffic = DEFAULT_CUDA_BYTES_PER_MS if gpu else DEFAULT_CPU_BYTES_PER_MS
-    return {
+    figures = {
         "bandwidth_bytes_per_s": bandwidth,
         "compute_flops_per_s": _figure(flops * 1e3, DEFAULT),
         "memory_bytes_per_s": _figure(traffic * 1e3, DEFAULT),
         "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
     }
+    for key, value in (measured or {}).items():
+        figures[key] = _figure(float(value), RUN_TIME)
+    return figures
 
 
 def _figure(value: float, source: str) -> dict[str, Any]:
