@@ -339,6 +339,8 @@ def _add_copy_figures(graphs: dict[str, dict[str, Any]]) -> None:
         now = meter.read()
         base = _meter_base.get(meter)
         since = now if base is None else now.minus(base)
+        if meter.name not in graphs and not (since.copies or since.stall_seconds):
+            continue  # a graph that has not run since the reset
         total = sums.setdefault(meter.name, copy_meter.CopyTotals())
         total.stall_seconds += since.stall_seconds
         total.copy_seconds += since.copy_seconds
