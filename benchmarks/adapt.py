@@ -108,8 +108,9 @@ def _link(cfg: DecoderConfig, batch: int, seq: int, target: str, link: float | N
 
     params = inspect.signature(fxckpt.emulate_link).parameters
     if link is None and "forward_ms" in params:
-        from benchmarks.gpu_shaped import LinkClock  # the same sizing as the GPU-shaped suite
         from fxckpt.targets import derive
+
+        from benchmarks.gpu_shaped import LinkClock  # the same sizing as the GPU-shaped suite
 
         forward_ms = LinkClock(cfg, batch, seq).size()
         torch.manual_seed(0)
