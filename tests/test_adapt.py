@@ -184,3 +184,30 @@ def test_stalls_are_counted_for_the_graph_whose_backward_waited() -> None:
 def test_a_replan_under_inductor_keeps_gradients_equal_to_eager(always: None) -> None:
     names = train({"offload": "all", "min_offload_bytes": 0}, 4)
     assert fxckpt.stats()["replans"] == 2 and len(names) == 3
+
+
+def test_a_backward_pending_across_the_swap_runs_the_plan_of_its_forward(always: None) -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=2)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxckpt.backend(**EAGER_ALL))
+    (a, ta), (b, tb) = gpt_inputs(seed=1), gpt_inputs(seed=2)
+    first = compiled(a, ta)  # the first plan; its backward waits
+    assert fxckpt.stats()["replans"] == 0
+    second = compiled(b, tb)  # re-planned at this call's start: the second plan
+    assert fxckpt.stats()["replans"] == 1
+    (first + second).backward()
+    want = ref(a, ta) + ref(b, tb)
+    want.backward()
+    torch.testing.assert_close(first + second, want)
+    _check_grads(model, ref)
+    assert _replanned(sorted(fxckpt.stats()["graphs"]), 1)
+
+
+def test_a_replan_whose_compile_adds_shape_guards_is_dropped(
+    always: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counts = iter(range(0, 1000, 3))  # every count 3 more than the one before
+    monkeypatch.setattr(adapt.compat, "shape_guard_count", lambda mode: next(counts))
+    names = train(EAGER_ALL, 6)
+    assert fxckpt.stats()["replans"] == 0 and _replanned(names, 0)
