@@ -22,8 +22,10 @@ not check new ones) is thrown away, and the plan kept.
 
 What is not re-planned: plans with no offload (no copies to measure; ``"auto"`` changes
 nothing for them), plans under ``cost_model="unit"`` (its costs are not times, so measured
-times cannot correct them: measured and logged only), and graphs whose inputs are tensor
-subclasses (no fake copies to re-compile from).
+times cannot correct them: measured and logged only), graphs whose inputs are tensor
+subclasses (no fake copies to re-compile from), and CPU graphs without an emulated link
+(:attr:`Recipe.has_link`: a RAM-to-RAM memcpy on a loaded machine is slow for reasons no
+plan can fix; measured and logged only).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
+from fxckpt import _link
 from fxckpt import _torch_compat as compat
 from fxckpt.options import Options
 from fxckpt.planning import adapt as rules
@@ -63,6 +67,14 @@ class Recipe:
     inputs: list[Any]
     options: Options
     mode: str | None
+    device: str  # "cpu", "cuda", ...: where the graph's tensors live
+
+    @property
+    def has_link(self) -> bool:
+        """Whether the graph's copies cross a host link: a GPU's, or one emulated on the CPU.
+        A CPU memcpy without emulation shares the cores compute runs on; how long it takes
+        says nothing about a link, and nothing a plan could fix."""
+        return self.device != "cpu" or _link.current() is not None
 
     @classmethod
     def capture(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -74,7 +86,9 @@ class Recipe:
         if got is None:
             log.debug("fxckpt: a graph with tensor-subclass inputs is measured, not re-planned")
             return None
-        return cls(gm, got[0], got[1], options, mode)
+        devices = [x.device.type for x in got[1] if isinstance(x, torch.Tensor)]
+        device = next((d for d in devices if d not in ("cpu", "meta")), "cpu")
+        return cls(gm, got[0], got[1], options, mode, device)
 
     def compile(self, measured: dict[str, float], name: str) -> tuple[Any, int]:
         """The graph compiled anew with ``measured`` figures, and how many shape guards that
@@ -167,7 +181,7 @@ class Adaptive:
         if not verdict.replan:
             log.debug("fxckpt[%s] %s", facts.name, verdict.describe())
             return
-        if self.mode == "auto" and self._recipe is not None:
+        if self.mode == "auto" and self._recipe is not None and self._recipe.has_link:
             self._replan(facts, verdict)
         else:
             self._warn(facts, verdict)

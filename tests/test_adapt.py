@@ -30,9 +30,12 @@ EAGER_ALL = {"compiler": "eager", "offload": "all", "min_offload_bytes": 0, "coa
 
 @pytest.fixture
 def always(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The forced policy, behind a fast emulated link: on the CPU only an emulated link is a
+    link a plan can be corrected for (a bare memcpy is measured, never re-planned)."""
     monkeypatch.setattr(rules, "DEFAULT_POLICY", ALWAYS)
     fxckpt.reset_stats()
-    yield
+    with fxckpt.emulate_link(bandwidth="20GB/s"):
+        yield
 
 
 def _check_grads(model: torch.nn.Module, ref: torch.nn.Module) -> None:
@@ -107,6 +110,13 @@ def test_adapt_measure_warns_once_and_never_replans(always: None) -> None:
 
 def test_auto_changes_nothing_for_a_plan_without_offloads(always: None) -> None:
     names = train({"compiler": "eager", "offload": "never", "memory_budget": 0.5}, 6)
+    assert fxckpt.stats()["replans"] == 0 and _replanned(names, 0)
+
+
+def test_a_cpu_graph_without_an_emulated_link_is_measured_not_replanned(always: None) -> None:
+    with fxckpt.emulate_link(None):
+        names = train(EAGER_ALL, 6)
+        assert fxckpt.stats()["graphs"][names[0]]["copied_bytes"] > 0
     assert fxckpt.stats()["replans"] == 0 and _replanned(names, 0)
 
 
