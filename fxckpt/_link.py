@@ -75,8 +75,10 @@ class Link:
 
     def overran(self, direction: str, until: float) -> None:
         """A copy's real memcpy ended after its window: the queue was busy until ``until``."""
+        global _overruns
         with self._lock:
             self._free_at[direction] = max(self._free_at[direction], until)
+            _overruns += 1
 
     def land_at(self, start: float, end: float, nbytes: int) -> float:
         """When to begin the memcpy of a copy with window ``(start, end)``: late enough that its
@@ -109,6 +111,16 @@ class Link:
             return done - start
         sleep_until(end)
         return end - start
+
+
+_overruns = 0  # copies whose memcpy ended after their window, in this process
+
+
+def overruns() -> int:
+    """How many copies so far ended after their window (a loaded machine's threads started
+    them late): those copies took longer than the link, and the next copy in their direction
+    may have finished before them."""
+    return _overruns
 
 
 def sleep_until(deadline: float) -> None:

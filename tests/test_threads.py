@@ -65,6 +65,7 @@ def test_two_models_trained_from_two_threads_at_once_stay_exact(copy_streams: in
     gc.collect()
     handles_before = ops.live_handles()
     in_use_before = pool.get_pool("cpu").usage()["in_use_bytes"]
+    pools_before = set(pool._pools)  # other files' compiles with host budgets made their own
     work = _workloads()
     start = threading.Barrier(len(work))
     errors: dict[str, BaseException] = {}
@@ -105,7 +106,7 @@ def test_two_models_trained_from_two_threads_at_once_stay_exact(copy_streams: in
     # One engine (of the compiles' stream count) and one pool for the device, shared by both
     # threads.
     assert (torch.device("cpu"), copy_streams) in engine._engines
-    assert list(pool._pools) == [("cpu", pool.SHARED)]
+    assert set(pool._pools) - pools_before <= {("cpu", pool.SHARED)}
     workers = [t.name for t in threading.enumerate()
                if t.name.startswith((f"fxckpt-d2h-{copy_streams}_", f"fxckpt-h2d-{copy_streams}_"))]
     assert 0 < len(workers) <= 2 * copy_streams

@@ -60,6 +60,13 @@ def _record(rec_future, order: list[tuple[str, float]], name: str) -> None:
     rec_future.add_done_callback(lambda f: order.append((name, time.perf_counter())))
 
 
+def _skip_if_overrun(before: int) -> None:
+    """Exact windows need threads that start on time: skip (never pass) when one did not."""
+    if _link.overruns() > before:
+        pytest.skip("a memcpy ended after its window: this machine was too loaded to hold the "
+                    "emulated windows")
+
+
 def _transfer(h: torch.Tensor):
     from fxckpt.runtime import handles
 
@@ -97,6 +104,7 @@ def test_a_copy_is_never_complete_before_its_window_closes(windows):
 def test_copies_in_one_direction_run_one_after_another(windows):
     big, small = _tensor(512 * 1024, 1), _tensor(4096, 2)
     done: list[tuple[str, float]] = []
+    overruns = _link.overruns()
     with fxckpt.emulate_link(SLOW):
         two = RuntimeSettings(copy_streams=2).key()  # two workers: only the shared queue can serialise them
         hb = OPS.offload(big, profile=two)
@@ -105,6 +113,7 @@ def test_copies_in_one_direction_run_one_after_another(windows):
         _record(_transfer(hs).d2h, done, "small")
         OPS.offload_done(hb, big)
         OPS.offload_done(hs, small)
+    _skip_if_overrun(overruns)
     assert [name for name, _ in done] == ["big", "small"]  # queued first, done first
     (_, _, _, big_end), (_, _, small_start, _) = windows
     assert small_start >= big_end
@@ -133,6 +142,7 @@ def test_copies_in_opposite_directions_overlap(windows):
 def test_the_copy_seconds_are_the_emulated_windows():
     sizes = [256 * 1024, 300 * 1024, 128 * 1024]
     srcs = [_tensor(n, i) for i, n in enumerate(sizes)]
+    overruns = _link.overruns()
     with fxckpt.emulate_link(SLOW, overhead_ms=1.5) as link:
         hs = [OPS.offload(s) for s in srcs]
         for h, s in zip(hs, srcs, strict=True):
@@ -140,6 +150,8 @@ def test_the_copy_seconds_are_the_emulated_windows():
         outs = [_wait(h, s) for h, s in zip(hs, srcs, strict=True)]
     assert all(torch.equal(o, s) for o, s in zip(outs, srcs, strict=True))
     want = 2 * sum(link.copy_seconds(n) for n in sizes)
+    assert stats.snapshot()["copy_seconds"] >= want * (1 - 1e-9)
+    _skip_if_overrun(overruns)
     assert stats.snapshot()["copy_seconds"] == pytest.approx(want, rel=1e-9)
     assert want >= 2 * sum(sizes) / 10e6
 
@@ -208,7 +220,8 @@ def test_the_environment_variable_sets_the_link_for_the_process():
         src = torch.randn(64 * 1024)
         h = torch.ops.fxckpt.offload(src)
         torch.ops.fxckpt.offload_done(h, src)
-        print(stats.snapshot()["copy_seconds"] >= spec.copy_seconds(src.nbytes))
+        # equal up to rounding: a window is (start, start + seconds) in perf_counter time
+        print(stats.snapshot()["copy_seconds"] >= spec.copy_seconds(src.nbytes) * (1 - 1e-9))
         with fxckpt.emulate_link(None):
             print(_link.spec())
         """
