@@ -79,6 +79,11 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
 
         compiler = kwargs.pop("compiler", None)  # Inductor passes "inductor"; aot_autograd nothing
         num_fwd_outputs = kwargs.pop("num_fwd_outputs")
+        # Each min-cut run gets what it takes of the rest; fxckpt reads none of the others
+        # (newer torch may pass metadata such as fw_metadata, pytorch#174823).
+        passed, unused = compat.min_cut_keywords(kwargs)
+        if unused:
+            log.debug("fxckpt: partitioner arguments min-cut does not take: %s", unused)
         return partition(
             gm,
             joint_inputs,
@@ -88,7 +93,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
             record=record_plan,
             inductor=compiler == "inductor",
             measured=dict(self.measured),
-            **kwargs,
+            **passed,
         )
 
     def uuid(self) -> str:
