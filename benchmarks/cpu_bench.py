@@ -148,11 +148,17 @@ def run_suite(
     tolerances: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
     probe: Callable[[Runner, torch.Tensor, torch.Tensor, dict[str, Any]], None] | None = None,
+    before_step: Callable[[Runner, dict[str, Any]], None] | None = None,
+    after: Callable[[dict[str, Runner], dict[str, dict[str, Any]], torch.Tensor, torch.Tensor],
+                    None] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for every spec at one sequence length; ``specs[0]`` must be eager.
 
     ``probe(runner, idx, targets, row)``, if given, runs once per method after the timed
-    rounds and may add fields to the row (gpu_check's memory probes).
+    rounds and may add fields to the row (gpu_check's memory probes). ``before_step(runner,
+    row)`` runs before each timed step, untimed (gpu_shaped's link calibration);
+    ``after(runners, rows, idx, targets)`` once everything else is measured (gpu_shaped's
+    back-to-back pairs).
     """
     import fxckpt
 
@@ -228,12 +234,14 @@ def run_suite(
         for _ in range(warmup):
             runner.step(idx, tgt)
     for runner in runners:
-        rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[])
+        rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[], copy_s=[])
     frames = _frames_compiled()
     for r in range(repeats):
         order = runners[r % len(runners):] + runners[: r % len(runners)]
         for runner in order:
             row = rows[runner.name]
+            if before_step is not None:
+                before_step(runner, row)
             fxckpt.reset_stats()
             _sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -247,6 +255,7 @@ def run_suite(
                 st = _fxckpt_stats()
                 row["stall_s"].append(float(st["stall_seconds"]))
                 row["offloaded"].append(int(st["offloaded_bytes"]))
+                row["copy_s"].append(float(st["copy_seconds"]))
     recompiled = _frames_compiled() - frames
     for runner in runners:  # memory: two more steps each, not timed (the meter slows them)
         fwd = meters.forward(runner, idx, tgt)
@@ -259,6 +268,8 @@ def run_suite(
             probe(runner, idx, tgt, rows[runner.name])
             for p in runner.model.parameters():
                 p.grad = None
+    if after is not None:
+        after({r.name: r for r in runners}, rows, idx, tgt)
 
     # 3. Ratios against eager and compiled of the same run.
     eager = rows[specs[0].name]
@@ -281,6 +292,9 @@ def run_suite(
         if row["stall_s"]:
             row["stall_s_per_step"] = median(row["stall_s"])
             row["offloaded_bytes_per_step"] = int(median([float(x) for x in row["offloaded"]]))
+            row["copy_s_per_step"] = median(row["copy_s"])
+            # Per round, step and stall together: exposed copy time over that round's step.
+            row["stall_shares"] = [a / b for a, b in zip(row["stall_s"], ts, strict=True)]
         row["recompiles_while_timed"] = recompiled
     ref = compiled["compile_s"] if compiled and not compiled.get("unavailable") else None
     for row in rows.values():
@@ -289,7 +303,7 @@ def run_suite(
         else:
             row["compile_time_ratio"] = row["compile_s"] / ref
     for row in rows.values():
-        for key in ("stall_s", "offloaded"):
+        for key in ("stall_s", "offloaded", "copy_s"):
             row.pop(key, None)
     row_list = [rows[s.name] for s in specs if s.name in rows]
     for row in row_list:

@@ -57,7 +57,7 @@ class DecoderConfig:
         )
 
 
-# The CPU benchmark's decoder (ANCHORS.md measured d=256, 8 blocks; quick mode is smaller).
+# The CPU benchmark's decoder (d=256, 8 blocks; quick mode is smaller).
 GPT_SMALL = DecoderConfig("gpt-small", vocab=2048, d=256, heads=4, layers=8, ffn=1024)
 GPT_QUICK = DecoderConfig("gpt-quick", vocab=1024, d=192, heads=4, layers=6, ffn=768)
 # Qwen3-1.7B's shapes (config.json of Qwen/Qwen3-1.7B); gpu_check trims the layer count.
@@ -264,7 +264,13 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 # forward measurably left on the device (full_checkpoint's, save_on_cpu's).
 AT_FULL_CHECKPOINT = "at_full_checkpoint"
 AT_SAVE_ON_CPU = "at_save_on_cpu"
-BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU}
+BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU,
+                  "save_on_cpu_link": AT_SAVE_ON_CPU}
+
+
+def scaled(placeholder: str, factor: float) -> str:
+    """A memory_budget placeholder times ``factor``: ``at_full_checkpoint*0.5``."""
+    return f"{placeholder}*{factor:g}"
 
 
 @dataclass(frozen=True)
@@ -402,7 +408,10 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
     """``compiler``: "eager" (aot_autograd, no code generation) or "inductor".
 
     ``budgets``: the bytes behind each memory_budget placeholder (``AT_FULL_CHECKPOINT``,
-    ``AT_SAVE_ON_CPU``); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s alone."""
+    ``AT_SAVE_ON_CPU``, either :func:`scaled`); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
+    alone. Kinds ending in ``_link`` copy through the emulated host link
+    (``fxckpt.emulate_link``) on the compute thread, as those methods copy on the compute
+    stream: ``save_on_cpu_link`` and ``torch_offload_link`` (``benchmarks/link_peers.py``)."""
     import torch._functorch.config as fconfig
 
     def checkpointed(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -418,10 +427,18 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
     # whose backend is the same object, and with nn-module inlining two model copies pass the
     # same guards (torch_budget would silently run "compiled"'s graph).
     plain_backend = fresh_backend("aot_eager" if compiler == "eager" else "inductor")
+    def offloaded_through_link(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor) -> torch.Tensor:
+        from benchmarks.link_peers import link_offload_hooks
+
+        with link_offload_hooks():
+            return checkpoint(layer, x, cos, sin, use_reentrant=False)
+
     kind = spec.kind
-    if kind in ("eager", "full_checkpoint", "save_on_cpu"):
+    if kind in ("eager", "full_checkpoint", "save_on_cpu", "save_on_cpu_link"):
         model.block_call = {"eager": None, "full_checkpoint": checkpointed,
-                            "save_on_cpu": offloaded}[kind]  # fmt: skip
+                            "save_on_cpu": offloaded,
+                            "save_on_cpu_link": offloaded_through_link}[kind]  # fmt: skip
         return Runner(spec, model, model, "-")
     if kind == "compiled":
         return Runner(spec, model, torch.compile(model, backend=plain_backend, dynamic=False),
@@ -431,12 +448,15 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         return Runner(spec, model, torch.compile(model, backend=plain_backend, dynamic=False),
                       plain_backend.__name__, dict(spec.options),
                       lambda: fconfig.patch(activation_memory_budget=budget))
-    if kind == "torch_offload":
+    if kind in ("torch_offload", "torch_offload_link"):
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
-        be = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                          partition_fn=_offload_everything_partition)
+        from benchmarks.link_peers import offload_everything_through_link
+
+        part = (_offload_everything_partition if kind == "torch_offload"
+                else offload_everything_through_link)
+        be = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=part)
         return Runner(spec, model, torch.compile(model, backend=be, dynamic=False), "aot_eager",
                       {"enable_activation_offloading": True},
                       lambda: fconfig.patch(enable_activation_offloading=True))
@@ -447,11 +467,11 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         known = dict(budgets or {})
         if budget_bytes is not None:
             known.setdefault(AT_FULL_CHECKPOINT, int(budget_bytes))
-        placeholder = options.get("memory_budget")
+        placeholder, _, factor = str(options.get("memory_budget", "")).partition("*")
         if placeholder in BUDGET_SOURCES.values():
             if placeholder not in known:
                 raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
-            options["memory_budget"] = int(known[placeholder])
+            options["memory_budget"] = int(known[placeholder] * float(factor or 1.0))
         options["compiler"] = compiler
         call = torch.compile(model, backend="fxckpt", options=options, dynamic=False)
         return Runner(spec, model, call, f"fxckpt/{compiler}", options)

@@ -35,20 +35,27 @@ class LinkSpec:
     bandwidth: float
     overhead_s: float = 0.0
     source: str = "emulate_link"  # who set it: "emulate_link", ENV_VAR, or a target's name
+    # How much longer this machine's compute takes than fxckpt's CPU cost model assumes, as
+    # measured when a target's link was derived: the planner scales its compute estimates by
+    # it, so that it sees the same copy-to-compute ratio the link was sized for.
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.bandwidth < float("inf")):
             raise ValueError(f"an emulated link needs a positive, finite bandwidth, got {self.bandwidth!r}")
         if not (0 <= self.overhead_s < float("inf")):
             raise ValueError(f"an emulated link's overhead must be >= 0 s, got {self.overhead_s!r}")
+        if not (0 < self.compute_scale < float("inf")):
+            raise ValueError(f"compute_scale must be positive and finite, got {self.compute_scale!r}")
 
     def copy_seconds(self, nbytes: int) -> float:
         """How long one copy of ``nbytes`` occupies its queue."""
         return self.overhead_s + nbytes / self.bandwidth
 
     def describe(self) -> str:
+        scale = f", compute x{self.compute_scale:.3g}" if self.compute_scale != 1.0 else ""
         return (f"{self.bandwidth / 1e6:.6g} MB/s each way, {self.overhead_s * 1e3:.3g} ms per "
-                f"copy ({self.source})")
+                f"copy{scale} ({self.source})")
 
 
 class Link:
@@ -58,6 +65,7 @@ class Link:
         self.spec = spec
         self._lock = threading.Lock()
         self._free_at = dict.fromkeys(DIRECTIONS, 0.0)  # perf_counter time each queue frees up
+        self.scale = 1.0  # copies queued from now on take ``scale`` times their emulated time
         # Real memcpy speed seen so far (bytes/s): a copy's bytes move as late in its window as
         # that allows, so that reading them before the window closes sees stale bytes.
         self._memcpy_rate = 1e9
@@ -69,9 +77,17 @@ class Link:
         """
         with self._lock:
             start = max(time.perf_counter(), self._free_at[direction], not_before)
-            end = start + self.spec.copy_seconds(nbytes)
+            end = start + self.spec.copy_seconds(nbytes) * self.scale
             self._free_at[direction] = end
         return start, end
+
+    def rescale(self, factor: float) -> None:
+        """Copies queued from now on take ``factor`` times ``spec.copy_seconds``: a benchmark
+        that measures this machine's compute slowing down (other processes' load) slows the
+        link with it, so that the copy-to-compute ratio stays the one the link stands for."""
+        if not (0 < factor < float("inf")):
+            raise ValueError(f"a link's time scale must be positive and finite, got {factor!r}")
+        self.scale = float(factor)
 
     def overran(self, direction: str, until: float) -> None:
         """A copy's real memcpy ended after its window: the queue was busy until ``until``."""

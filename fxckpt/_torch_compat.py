@@ -23,6 +23,11 @@ if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
 
 # Partitioning.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+
+# aot_eager's no-op compiler: the graph takes its inputs as one list and lets go of each at
+# its last use (_BoxedCodeGen). make_boxed_func(gm.forward) alone unpacks the list into the
+# frame, which then holds every saved tensor until the whole backward has run.
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
@@ -220,6 +225,18 @@ def outside_fake_mode() -> Any:
     return _disable_current_modes()
 
 
+OpOverload = torch._ops.OpOverload  # an aten/custom op at one overload: FX call targets
+
+
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no real storage: a FakeTensor (or a functional wrapper of one), as a
+    compiled submodule receives when dynamo's DDP optimizer runs it to propagate shapes
+    (``torch._subclasses.fake_tensor.is_fake``, in 2.11 to 2.15)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
 def register_backend_name(name: str, target: str) -> None:
     """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
     where no installed entry point has claimed the name yet: running from a source tree.
@@ -337,6 +354,7 @@ __all__ = [
     "RECOMPUTE_POLICIES",
     "TORCH_VERSION",
     "aot_autograd",
+    "boxed_nop",
     "compile_fx",
     "dedup_joint",
     "has_side_effect",

@@ -116,7 +116,9 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
 
 
 def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
-    return compat.make_boxed_func(gm.forward)
+    """compiler="eager": run the graph as it is, freeing each input (a saved tensor, in the
+    backward) after its last use, as aot_eager does."""
+    return compat.boxed_nop(gm, list(example_inputs))  # type: ignore[arg-type]
 
 
 def configure_runtime(options: Options) -> Profile:

@@ -29,3 +29,11 @@ def measure_forward(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.
     m = fxckpt.measure(lambda: _call(compiled, inputs))
     _loss(m.output).backward()
     return m
+
+
+def measure_step(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.Measurement:
+    """One whole training step (forward and backward) of ``compiled``, measured after a
+    warm-up step unless ``warm=False``: its ``peak_bytes`` is the step's peak."""
+    if warm:
+        _loss(_call(compiled, inputs)).backward()
+    return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward())

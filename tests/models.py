@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -218,5 +220,10 @@ def hf_zoo_model(
     return model, {"input_ids": ids, "labels": ids}
 
 
-# The conv models live with the benchmark that runs them on a GPU (one definition).
+# The conv models live with the benchmark that runs them on a GPU (one definition). Scripts
+# that import this file from a subprocess put only tests/ on sys.path: add the checkout.
+_CHECKOUT = str(Path(__file__).resolve().parent.parent)
+if _CHECKOUT not in sys.path:
+    sys.path.append(_CHECKOUT)
+
 from benchmarks.conv_case import BasicBlock, ConvBNNet, ResNet  # noqa: E402, F401

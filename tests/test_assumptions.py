@@ -113,9 +113,12 @@ def test_the_plan_prices_copies_with_the_figures_it_records() -> None:
     assert Plan_round_trip(plan).assumptions == plan.assumptions
     offloads = [a for a in plan.activations if "copies" in a.decision.reason]
     assert offloads
-    for a in offloads:  # "copies X ms": both directions at the recorded bandwidth
+    slower = 1 + plan.assumptions["copy_margin"]["value"]
+    assert slower == 1.5  # the default margin under the flops model
+    for a in offloads:  # "copies X ms": both directions at the recorded bandwidth and margin
         copies_ms = float(a.decision.reason.split("copies ")[1].split(" ms")[0])
-        assert copies_ms == pytest.approx(2 * a.bytes / 2e9 * 1e3, abs=1e-3), a.decision.reason
+        assert copies_ms == pytest.approx(2 * a.bytes / 2e9 * 1e3 * slower, abs=1e-3), (
+            a.decision.reason)
 
 
 def Plan_round_trip(plan: fxckpt.Plan) -> fxckpt.Plan:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import flop_formula
 from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
     DEFAULT_PCIE_BYTES_PER_MS,
@@ -41,8 +43,16 @@ DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
 # ``python -m benchmarks.copy_overhead`` (0.40-0.56 ms per 64 KiB round trip on two loaded
 # cores). "cuda": an estimate until ``benchmarks/copy_overhead.py`` runs on a GPU: four Python
 # custom-op dispatches (~10-20 us each) plus two cudaMemcpyAsync calls (~5-7 us each,
-# HOST_MEMORY_NOTES) and their events. Offline plans (meta) price a GPU's engine.
+# as measured for page-locked copies) and their events. Offline plans (meta) price a GPU's engine.
 COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
+
+# The planner places and prices copies as if they took this much longer than the link's
+# figures say: compute runs faster or slower than its estimate (another process's load, a
+# kernel the cost model misjudges) and a link delivers less than its probe (torchtitan saw
+# 32 GB/s in steps against 52 benchmarked). Through an emulated link at an H200's ratio,
+# plans made without it stalled up to 2.8 % of a step where they said "hidden"; with it,
+# the same offloads and no stall (benchmarks/gpu_shaped.py, docs/benchmarks.md).
+COPY_MARGIN = 0.5
 
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
@@ -102,9 +112,7 @@ def _meta_args(node: torch.fx.Node, make: Callable[[Any], Any]) -> tuple[tuple, 
 
 def _on_meta(v: Any) -> Any:
     """FakeTensors count as they are; real tensors become meta tensors so nothing runs."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(v, FakeTensor) or v.device.type == "meta":
+    if compat.is_fake_tensor(v) or v.device.type == "meta":
         return v
     return v.new_empty_strided(v.shape, v.stride(), device="meta")
 
@@ -122,10 +130,9 @@ def node_flops(node: torch.fx.Node) -> float:
     """
     if node.op != "call_function" or not _is_compute(node):
         return 0.0
-    import torch
 
     formula = flop_formula(node.target)
-    if formula is None and isinstance(node.target, torch._ops.OpOverload):
+    if formula is None and isinstance(node.target, compat.OpOverload):
         return 0.0
     try:
         out = node.meta.get("val")
@@ -157,11 +164,41 @@ def _counted_flops(node: torch.fx.Node) -> Any:
     return counter.get_total_flops()
 
 
-def flops_to_ms(flops: float, device: Any) -> float:
-    """Milliseconds for ``flops`` at the default sustained rate of ``device``'s type."""
+@dataclass(frozen=True)
+class Rates:
+    """What the ``"flops"`` model prices a node with: compute and memory-traffic rates."""
+
+    flops_per_ms: float
+    bytes_per_ms: float
+
+
+def device_rates(device: Any) -> Rates:
+    """The default rates of ``device``'s type (meta stands for a GPU)."""
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
-    rate = DEFAULT_CUDA_FLOPS_PER_MS if _gpu_like(str(kind)) else DEFAULT_CPU_FLOPS_PER_MS
-    return flops / rate
+    if _gpu_like(str(kind)):
+        return Rates(DEFAULT_CUDA_FLOPS_PER_MS, DEFAULT_CUDA_BYTES_PER_MS)
+    return Rates(DEFAULT_CPU_FLOPS_PER_MS, DEFAULT_CPU_BYTES_PER_MS)
+
+
+def planning_rates(device: Any) -> tuple[Rates, str]:
+    """The rates the planner prices compute with on ``device``, and their source: the
+    defaults, or (CPU, under an emulated link derived from a target) the defaults scaled to
+    this machine's measured compute, ``"emulated"``."""
+    from fxckpt import _link
+
+    rates = device_rates(device)
+    name = device if isinstance(device, str) else str(device)
+    link = _link.spec() if name.startswith("cpu") else None
+    if link is None or link.compute_scale == 1.0:
+        return rates, DEFAULT
+    scale = link.compute_scale
+    return Rates(rates.flops_per_ms / scale, rates.bytes_per_ms / scale), EMULATED
+
+
+def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
+    """Milliseconds for ``flops`` at ``rates`` (default: the sustained rate of ``device``'s
+    type)."""
+    return flops / (rates or device_rates(device)).flops_per_ms
 
 
 def _gpu_like(device: str) -> bool:
@@ -169,8 +206,9 @@ def _gpu_like(device: str) -> bool:
     return device.startswith(("cuda", "meta"))
 
 
-# Sources of an assumed figure: measured on this machine, given as an option, or the table's.
-MEASURED, OPTION, DEFAULT = "measured", "option", "default"
+# Sources of an assumed figure: measured on this machine, given as an option, the table's, or
+# the CPU engine's emulated host link (fxckpt._link).
+MEASURED, OPTION, DEFAULT, EMULATED = "measured", "option", "default", "emulated"
 RUN_TIME = "measured at run time"  # a re-plan's figures, from the graph's own copies
 UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
@@ -178,14 +216,20 @@ UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 def assumptions(options: Options, device: Any, measured: Mapping[str, float] | None = None
                 ) -> dict[str, dict[str, Any]]:
     """What the cost model assumes for one compile on ``device``, each figure with where it
-    came from: ``{"name": {"value": float, "source": "measured" | "option" | "default"}}``.
+    came from: ``{"name": {"value": float, "source": "measured" | "option" | "default" |
+    "emulated"}}``.
 
-    - ``bandwidth_bytes_per_s``: the host link (``bandwidth`` option, else probed once per
-      device and process, outside any fake mode; offline plans and ``cost_model="unit"``
-      take a table's figure);
+    - ``bandwidth_bytes_per_s``: the host link (``bandwidth`` option, else an emulated link's
+      on the CPU, else probed once per device and process, outside any fake mode; offline
+      plans and ``cost_model="unit"`` take a table's figure);
+    - ``link_overhead_ms``: each copy's fixed time on its queue (an emulated link's, else 0);
     - ``compute_flops_per_s`` and ``memory_bytes_per_s``: the ``"flops"`` model's sustained
-      rates for the device's kind (``"profile"`` times ops instead, where it can);
-    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread.
+      rates for the device's kind (``"profile"`` times ops instead, where it can), scaled to
+      this machine's measured compute under a link derived from a target
+      (:func:`planning_rates`);
+    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread;
+    - ``copy_margin``: copies are placed and priced as taking ``1 + copy_margin`` times what
+      the link's figures say (:data:`COPY_MARGIN`; 0 under ``cost_model="unit"``).
 
     The planner prices copies with exactly these figures, and the plan records them as
     ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
@@ -195,23 +239,30 @@ def assumptions(options: Options, device: Any, measured: Mapping[str, float] | N
     ``measured``: figures measured while the graph ran (a re-plan, :mod:`fxckpt.adapt`);
     each replaces the figure of its name, with the source ``"measured at run time"``.
     """
+    from fxckpt import _link
+
     name = device if isinstance(device, str) else str(device)
-    gpu = _gpu_like(name)
+    link = _link.spec() if name.startswith("cpu") else None
     if options.bandwidth is not None:
         bandwidth = _figure(float(options.bandwidth), OPTION)
+    elif link is not None:
+        bandwidth = _figure(link.bandwidth, EMULATED)
     elif options.cost_model == "unit":
         bandwidth = _figure(UNIT_BYTES_PER_MS * 1e3, DEFAULT)
     elif name.startswith("meta"):
         bandwidth = _figure(DEFAULT_PCIE_BYTES_PER_MS * 1e3, DEFAULT)
     else:
         bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
-    flops = DEFAULT_CUDA_FLOPS_PER_MS if gpu else DEFAULT_CPU_FLOPS_PER_MS
-    traffic = DEFAULT_CUDA_BYTES_PER_MS if gpu else DEFAULT_CPU_BYTES_PER_MS
+    rates, rates_source = planning_rates(name)
+    unit = options.cost_model == "unit"
     figures = {
         "bandwidth_bytes_per_s": bandwidth,
-        "compute_flops_per_s": _figure(flops * 1e3, DEFAULT),
-        "memory_bytes_per_s": _figure(traffic * 1e3, DEFAULT),
+        "compute_flops_per_s": _figure(rates.flops_per_ms * 1e3, rates_source),
+        "memory_bytes_per_s": _figure(rates.bytes_per_ms * 1e3, rates_source),
         "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
+        "link_overhead_ms": (_figure(link.overhead_s * 1e3, EMULATED) if link is not None
+                             and not unit else _figure(0.0, DEFAULT)),
+        "copy_margin": _figure(0.0 if unit else COPY_MARGIN, DEFAULT),
     }
     for key, value in (measured or {}).items():
         figures[key] = _figure(float(value), RUN_TIME)
@@ -231,14 +282,15 @@ def copy_overhead_ms(device: Any, cost_model: str) -> float:
     return COPY_OVERHEAD_MS["cuda" if _gpu_like(name) else "cpu"]
 
 
-def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
+def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates | None = None
+                 ) -> float:
     """Estimated milliseconds to (re)compute ``node``.
 
     - ``"unit"``: 1.0 per compute node, 0.0 for views, ``getitem`` and non-calls
       (deterministic, for tests);
     - ``"flops"``: the larger of :func:`flops_to_ms` of :func:`node_flops` and the time to
       move the node's inputs and outputs once (which prices elementwise ops, that have no
-      FLOP formula);
+      FLOP formula), at ``rates`` (default: :func:`planning_rates` of ``device``);
     - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
       CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
     """
@@ -254,10 +306,11 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any) -> float:
             return profile_ms(node, name, _meta_args)
         except Exception:
             pass
-    return max(flops_to_ms(node_flops(node), name), _traffic_ms(node, name))
+    rates = rates or planning_rates(name)[0]
+    return max(flops_to_ms(node_flops(node), name, rates), _traffic_ms(node, rates))
 
 
-def _traffic_ms(node: torch.fx.Node, device: str) -> float:
+def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
     """Milliseconds to read a node's tensor inputs and write its outputs once."""
     import torch
 
@@ -271,5 +324,4 @@ def _traffic_ms(node: torch.fx.Node, device: str) -> float:
                 for s in v.shape:
                     numel *= s if isinstance(s, int) else 4096
                 total += numel * v.element_size()
-    rate = DEFAULT_CUDA_BYTES_PER_MS if _gpu_like(device) else DEFAULT_CPU_BYTES_PER_MS
-    return total / rate
+    return total / rates.bytes_per_ms

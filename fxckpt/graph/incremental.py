@@ -124,6 +124,7 @@ class IncrementalSim:
         n, m, S = len(c), len(bk.members), problem.prefix_ms()
         self.S, self.F, self.SF = S, problem.timeline.num_forward, S[problem.timeline.num_forward]
         self.overhead = problem.timeline.copy_overhead_ms
+        self.link = problem.timeline.link_overhead_ms  # a bucket's copy pays it once
         self.d = [problem.copy_ms(i) for i in range(n)]
         self.a = [S[r + 1] for r in bk.ready]  # per bucket: when its copy may start
         self.dg = [0.0] * m  # per bucket: copy ms of its offloaded members
@@ -170,7 +171,7 @@ class IncrementalSim:
         g, sign = self.bk.of[i], 1 if on else -1
         was = self.cnt[g] > 0
         self.cnt[g] += sign
-        self.dg[g] += sign * self.d[i]
+        self.dg[g] += sign * self.d[i] + (self.link if on and not was else 0.0)
         if self.cnt[g] == 0:
             self.dg[g] = 0.0  # no float residue in an idle bucket
         now = self.cnt[g] > 0
@@ -186,7 +187,8 @@ class IncrementalSim:
         if not self.jit:
             self.htree.set(self.hslot[g], -self.S[self.bk.need[g]], self.dg[g], now)
         self.price += sign * OFFLOAD_PRICE_MS_PER_BYTE * self.pb.candidates.bytes[i]
-        self.jit_ms += sign * self.d[i] if self.jit else 0.0
+        if self.jit:
+            self.jit_ms += sign * self.d[i] + (sign * self.link if was != now else 0.0)
 
     @property
     def cost(self) -> float:
@@ -226,6 +228,7 @@ class IncrementalSim:
         if self.cnt[g]:  # the bucket already copies: it grows by x's bytes
             e = None if self.done[g] == F - 1 else self.end[g] + d
         else:
+            d += self.link  # a new copy on the queue
             k = bisect_left(self.dm, (p, g))
             j = self.dm[k - 1][1] if k else -1
             prev_end = self.end[j] if j >= 0 else -math.inf
@@ -251,16 +254,16 @@ class IncrementalSim:
     def delta_offload(self, x: int, on: bool) -> float:
         """Exact change of cost if ``x`` joins (``on``) or leaves the copy chains."""
         sign, g = (1 if on else -1), self.bk.of[x]
-        dg = self.dg[g] + sign * self.d[x]
+        opened = (self.cnt[g] == 0) if on else (self.cnt[g] == 1)
+        dg = self.dg[g] + sign * self.d[x] + (self.link if on and opened else 0.0)
         active = self.cnt[g] + sign > 0
         dg = dg if active else 0.0
         d2h = self.dtree.root_if(self.dslot[g], self.a[g], dg, active)
         if self.jit:
-            h2d = self.jit_ms + sign * self.d[x]
+            h2d = self.jit_ms + sign * (self.d[x] + (self.link if opened else 0.0))
         else:
             neg_start = self.htree.root_if(self.hslot[g], -self.S[self.bk.need[g]], dg, active)
             h2d = max(0.0, self.SF + neg_start)
-        opened = (self.cnt[g] == 0) if on else (self.cnt[g] == 1)
         price = sign * (OFFLOAD_PRICE_MS_PER_BYTE * self.pb.candidates.bytes[x]
                         + (self.overhead if opened else 0.0))
         after = self.rec + self.price + price + max(0.0, d2h - self.SF) + h2d

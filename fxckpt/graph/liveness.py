@@ -6,8 +6,11 @@ this counts everything a graph holds, from the nodes' ``meta["val"]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from itertools import accumulate
 from typing import TYPE_CHECKING
+
+from fxckpt.graph import meta
 
 if TYPE_CHECKING:
     import torch.fx
@@ -15,25 +18,66 @@ if TYPE_CHECKING:
 def _tensor_bytes(t: object) -> int:
     import torch
 
+    from fxckpt.graph.sizes import concrete
+
     if not isinstance(t, torch.Tensor):
         return 0
+    # concrete(), not int(): int() on a symbolic size installs a guard on it.
     try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:  # sparse / symbolic sizes: fall back to the view's own extent
-        return int(t.numel()) * t.element_size()
+        return concrete(t.untyped_storage().nbytes())
+    except Exception:  # sparse storages: the view's own extent
+        return concrete(t.numel()) * t.element_size()
 
 
-def live_bytes_timeline(gm: torch.fx.GraphModule) -> list[int]:
+def span_bytes(v: object) -> int:
+    """Bytes from a tensor's first element to its last: what restoring it allocates."""
+    import torch
+
+    from fxckpt.graph.sizes import concrete
+
+    if not isinstance(v, torch.Tensor) or concrete(v.numel()) == 0:
+        return 0
+    last = sum((concrete(n) - 1) * concrete(st) for n, st in zip(v.shape, v.stride(), strict=True))
+    return (last + 1) * v.element_size()
+
+
+def storage_key(v: object) -> object | None:
+    """An identity for the storage behind a tensor value (None for anything else)."""
+    import torch
+
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return v.untyped_storage()._cdata
+    except Exception:
+        return None
+
+
+def live_bytes_timeline(
+    gm: torch.fx.GraphModule,
+    counted: Callable[[torch.fx.Node], bool] | None = None,
+    allocated_at: Mapping[torch.fx.Node, int] | None = None,
+    skip_storages: Collection[object] = (),
+    fresh: Mapping[torch.fx.Node, int] | None = None,
+) -> list[int]:
     """Bytes of all live tensors at each node position of ``gm`` (the whole-graph timeline).
 
     Sizes come from ``node.meta["val"]`` (FakeTensors or tensors). Each storage is counted
     once: views share their base's storage, and it stays live from its first producer to the
-    last use of any node that aliases it. Nodes without a tensor ``val`` count nothing.
+    last use of any node that aliases it. Nodes without a tensor ``val`` count nothing, nor
+    do nodes ``counted`` refuses (their storages stay out, whoever aliases them: memory that
+    existed before the graph ran, say). ``allocated_at[node]``: the position where the
+    storage of ``node``'s output is really allocated, when that is earlier than the node.
+    ``skip_storages``: storages (:func:`storage_key`) never counted. ``fresh[node]``: the
+    node's output is a buffer of its own of that many bytes, whatever storage its value
+    names (a restored tensor); later values on that storage are views of the fresh buffer.
     """
     import torch
 
     nodes = list(gm.graph.nodes)
     pos = {node: k for k, node in enumerate(nodes)}
+    skipped: set[object] = {("storage", k) for k in skip_storages}
+    alias: dict[object, object] = {}  # a storage's key -> the fresh buffer standing for it
     span: dict[object, list[int]] = {}  # storage key -> [bytes, first, last]
     keys_of: dict[torch.fx.Node, list[object]] = {}
     for k, node in enumerate(nodes):
@@ -47,9 +91,20 @@ def live_bytes_timeline(gm: torch.fx.GraphModule) -> list[int]:
                 key: object = ("storage", v.untyped_storage()._cdata)
             except Exception:
                 key = ("node", node.name, j)
+            start = k if allocated_at is None else min(k, allocated_at.get(node, k))
+            if fresh is not None and node in fresh:
+                alias[key] = ("fresh", node.name)
+                keys.append(alias[key])
+                span[alias[key]] = [fresh[node], start, k]
+                continue
+            key = alias.get(key, key)
+            if counted is not None and not counted(node):
+                skipped.add(key)
+            if key in skipped:
+                continue
             keys.append(key)
             if key not in span:
-                span[key] = [_tensor_bytes(v), k, k]
+                span[key] = [_tensor_bytes(v), start, k]
         keys_of[node] = keys
         last = max((pos[u] for u in node.users), default=k)
         for key in keys:
@@ -64,3 +119,43 @@ def live_bytes_timeline(gm: torch.fx.GraphModule) -> list[int]:
 def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
     """The whole-graph peak: the largest entry of :func:`live_bytes_timeline`."""
     return max(live_bytes_timeline(gm), default=0)
+
+
+def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """The peak of the memory one training step allocates, predicted from the liveness of its
+    partitioned forward and backward graphs as fxckpt's rewrite left them.
+
+    Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
+    batch; the backward takes the parameters it needs as inputs too), and host memory (the
+    offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
+    saved tensors, freed at their last use; the tangents), what it computes and recomputes,
+    and each restored tensor from its prefetch on, where the engine allocates its buffer.
+    Each graph's timeline is exact for graphs run op by op (``compiler="eager"``); Inductor
+    fuses ops and frees buffers it reuses, so there it is an upper bound.
+    """
+    # Storages of the forward's inputs, whatever aliases them later (a saved transpose of a
+    # weight): the two graphs' values share one fake mode, so its storages too.
+    inputs = {key for n in fw.graph.find_nodes(op="placeholder")
+              if (key := storage_key(n.meta.get("val"))) is not None}
+    fw_live = live_bytes_timeline(fw, skip_storages=inputs)
+    pos = {n: k for k, n in enumerate(bw.graph.nodes)}
+    early: dict[torch.fx.Node, int] = {}
+    fresh: dict[torch.fx.Node, int] = {}
+    waits = set()
+    for n in bw.graph.nodes:
+        if n.meta.get(meta.ROLE) != meta.ROLE_WAIT:
+            continue
+        waits.add(n)
+        ticket = n.args[1] if len(n.args) > 1 else None
+        at = pos[ticket] if getattr(ticket, "meta", {}).get(meta.ROLE) == meta.ROLE_PREFETCH else pos[n]  # type: ignore[index]
+        # One fresh span per restored tensor; a bucket's come out of its wait by getitem.
+        members = [u for u in n.users if u.op == "call_function"] if isinstance(
+            n.meta.get("val"), (list, tuple)) else [n]
+        for m in members:
+            early[m], fresh[m] = at, span_bytes(m.meta.get("val"))
+    bw_live = live_bytes_timeline(
+        # A bucket's wait names its members' storages; each member counts, as its getitem.
+        bw, counted=lambda n: n not in waits, allocated_at=early, skip_storages=inputs,
+        fresh=fresh,
+    )
+    return max([*fw_live, *bw_live], default=0)

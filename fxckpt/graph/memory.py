@@ -24,7 +24,9 @@ order) but never before the backward starts, ``S[F]``; what would have to start 
 exposed, and ``prefetch_issue`` is the position whose node is running when the copy must
 start. With ``prefetch="jit"`` every prefetch is issued at ``first_bw_use`` and fully exposed.
 Both exposed totals are max-plus expressions of the offloaded set, so adding an offload never
-lowers them. Each copy also pays ``Timeline.copy_overhead_ms``: the compute thread's own
+lowers them. A copy occupies its channel for ``link_overhead_ms + bytes / bandwidth``: the
+per-copy time of the link itself (a DMA setup on a GPU, the emulated link's overhead on the
+CPU), paid once per bucket. Each copy also pays ``Timeline.copy_overhead_ms``: the compute thread's own
 time to issue its four runtime ops and hand its two copies to the engine, which no compute
 hides.
 
@@ -71,6 +73,7 @@ class Timeline:
     bandwidth_bytes_per_ms: float = math.inf
     fixed_resident: Sequence[int] | None = None  # saved bytes that are not candidates
     copy_overhead_ms: float = 0.0  # host time per offloaded tensor, never hidden
+    link_overhead_ms: float = 0.0  # each copy's fixed time on its queue (a bucket's once)
 
     @property
     def num_positions(self) -> int:
@@ -129,8 +132,9 @@ class Problem:
             raise ValueError("fixed_resident needs one entry per position")
         if not tl.bandwidth_bytes_per_ms > 0:
             raise ValueError("bandwidth_bytes_per_ms must be > 0")
-        if not (tl.copy_overhead_ms >= 0 and math.isfinite(tl.copy_overhead_ms)):
-            raise ValueError("copy_overhead_ms must be finite and >= 0")
+        for name in ("copy_overhead_ms", "link_overhead_ms"):
+            if not (getattr(tl, name) >= 0 and math.isfinite(getattr(tl, name))):
+                raise ValueError(f"{name} must be finite and >= 0")
         fields = (c.produced, c.last_fw_use, c.first_bw_use, c.last_bw_use, c.recompute_ms)
         if any(len(f) != n for f in (*fields, c.can_offload)) or any(
             opt is not None and len(opt) != n for opt in (c.forced, c.bucket)
@@ -162,6 +166,7 @@ class Problem:
         return Buckets.of_candidates(self.candidates)
 
     def copy_ms(self, i: int) -> float:
+        """Time ``i``'s bytes occupy a copy queue (each copy adds ``link_overhead_ms`` once)."""
         return self.candidates.bytes[i] / self.timeline.bandwidth_bytes_per_ms
 
     def offload_fixed_ms(self, i: int) -> float:
@@ -248,7 +253,7 @@ def isolated_offload(problem: Problem, S: Sequence[float], i: int, prefetch: str
     """
     bk, F = problem.buckets, problem.timeline.num_forward
     g = bk.of[i]
-    d, p, b = problem.copy_ms(i), bk.ready[g], bk.need[g]
+    d, p, b = problem.copy_ms(i) + problem.timeline.link_overhead_ms, bk.ready[g], bk.need[g]
     end = S[p + 1] + d
     exposed = max(0.0, end - max(S[p + 1], S[F]))
     joined = max(done_position(S, F, p, end), bk.last_fw[g])
@@ -278,8 +283,8 @@ def bucket_schedule(problem: Problem, S: Sequence[float], offloaded: Sequence[in
     before the join's ``last_fw`` floor), its H2D issue position, and its exposed ms."""
     bk, F = problem.buckets, problem.timeline.num_forward
     d: dict[int, float] = {}
-    for i in offloaded:
-        d[bk.of[i]] = d.get(bk.of[i], 0.0) + problem.copy_ms(i)
+    for i in offloaded:  # one copy per bucket: its bytes' time and one link overhead
+        d[bk.of[i]] = d.get(bk.of[i], problem.timeline.link_overhead_ms) + problem.copy_ms(i)
     done: dict[int, int] = {}
     issue: dict[int, int] = {}
     exposed = dict.fromkeys(d, 0.0)

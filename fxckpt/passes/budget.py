@@ -78,11 +78,13 @@ def build_problem(
     device: torch.device,
     not_recomputable: Set[str] = frozenset(),
     copy_overhead_ms: float = 0.0,
+    link_overhead_ms: float = 0.0,
 ) -> tuple[Problem, dict[str, float]]:
     """The solver's view of one graph: a timeline of node costs and one row per storage.
 
     ``not_recomputable``: activation names that min-cut would not recompute when asked.
-    ``copy_overhead_ms``: the engine's fixed host cost per offloaded tensor.
+    ``copy_overhead_ms``: the engine's fixed host cost per offloaded tensor;
+    ``link_overhead_ms``: each copy's fixed time on its queue.
     """
     F = len(fw_step_ms)
     T = F + len(bw_step_ms)
@@ -114,6 +116,7 @@ def build_problem(
         num_forward=F,
         bandwidth_bytes_per_ms=max(bytes_per_ms, 1e-9),
         copy_overhead_ms=copy_overhead_ms,
+        link_overhead_ms=link_overhead_ms,
     )
     candidates = Candidates(
         bytes=cols["b"],

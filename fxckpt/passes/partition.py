@@ -47,6 +47,7 @@ from fxckpt.graph.activations import (
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
+from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
@@ -264,6 +265,7 @@ def partition(
         with step(graph_name, "saved layouts"):
             plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
     with step(graph_name, "note"):
+        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)

@@ -107,8 +107,12 @@ class RoundPlanner:
         self.options, self.budget, self.device = options, budget, device
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
         # What copies cost (graph.costs.assumptions): the plan records these very figures.
-        self.bytes_per_ms = float(assumed["bandwidth_bytes_per_s"]["value"]) / 1e3
+        # Copies are planned as taking 1 + copy_margin times the link's figures, so that one
+        # the plan calls hidden still lands in time when compute runs faster than estimated.
+        slower = 1.0 + float(assumed.get("copy_margin", {}).get("value", 0.0))
+        self.bytes_per_ms = float(assumed["bandwidth_bytes_per_s"]["value"]) / 1e3 / slower
         self.copy_overhead_ms = float(assumed["copy_overhead_ms"]["value"])
+        self.link_overhead_ms = float(assumed.get("link_overhead_ms", {}).get("value", 0.0)) * slower
 
     def decide(
         self,
@@ -149,6 +153,7 @@ class RoundPlanner:
             device=self.device,
             not_recomputable=stuck,
             copy_overhead_ms=self.copy_overhead_ms,
+            link_overhead_ms=self.link_overhead_ms,
         )
         # Buckets pay the per-copy overhead once; where none is priced (cost_model="unit")
         # a bucket would only hold its members longer, so each tensor is copied alone. Under
@@ -310,6 +315,8 @@ def timeline(problem: Problem, resident: list[int], budget: int | None, points: 
     return {
         "forward_end": F // step_,
         "positions": T,
+        # The cost model's compute for the step (before what the plan adds: est_overhead_ms).
+        "compute_ms": float(sum(problem.timeline.step_ms)),
         "stride": step_,
         "baseline": pool(keep_all),
         "plan": pool(resident),

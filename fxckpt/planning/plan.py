@@ -140,6 +140,9 @@ class Plan:
     # ``copy_overhead_ms``, ...): each ``{"value": float, "source": str}``, the source one of
     # "measured", "option", "default" or "emulated".
     assumptions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The whole training step's peak, predicted from the rewritten graphs' liveness
+    # (graph.liveness.step_peak_bytes): saved, recomputed, restored and every other tensor.
+    predicted_step_peak_bytes: int | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -191,6 +194,7 @@ class Plan:
             "activations": [a.to_dict() for a in self.activations],
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
+            "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
         }
 
     @staticmethod
@@ -206,6 +210,7 @@ class Plan:
             notes=list(d.get("notes", [])),
             timeline=d.get("timeline"),
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
+            predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
         )
 
     def summary(self) -> str:
@@ -231,6 +236,8 @@ def describe_assumptions(assumed: dict[str, dict[str, Any]]) -> str:
         "compute_flops_per_s": ("compute", 1e12, "TFLOP/s"),
         "memory_bytes_per_s": ("memory traffic", 1e9, "GB/s"),
         "copy_overhead_ms": ("per-copy overhead", 1.0, "ms"),
+        "link_overhead_ms": ("link overhead", 1.0, "ms"),
+        "copy_margin": ("copy margin", 0.01, "%"),
     }
     parts = []
     for key, fig in assumed.items():

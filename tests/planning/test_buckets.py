@@ -100,7 +100,8 @@ def bucketed(draw) -> tuple[Problem, int]:
     step = [rng.choice([0.0, 0.5, 1.0, 3.0]) for _ in range(T)]
     bw = draw(st.sampled_from([25.0, 100.0, 400.0]))
     buckets = [rng.randrange(3) for _ in range(n)]
-    pb = Problem(Timeline(step, F, bw, None, draw(st.sampled_from([0.0, 0.3]))),
+    pb = Problem(Timeline(step, F, bw, None, draw(st.sampled_from([0.0, 0.3])),
+                          draw(st.sampled_from([0.0, 0.0, 0.7, 2.5]))),
                  Candidates(*cols, bucket=buckets))
     return pb, draw(st.integers(0, 2**32))
 

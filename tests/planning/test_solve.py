@@ -21,6 +21,7 @@ BYTES = [0, 100, 200, 300, 500, 800]
 RECOMPUTE_MS = [math.inf, 0.0, 0.5, 1.0, 2.0, 4.0]
 BANDWIDTH = [25.0, 100.0, 400.0, math.inf]  # bytes per ms: 100 B copies take 4 ms .. 0 ms
 COPY_OVERHEAD_MS = [0.0, 0.0, 0.3, 2.0]  # per offloaded tensor
+LINK_OVERHEAD_MS = [0.0, 0.0, 0.5, 3.0]  # per copy, on its queue
 
 
 def _allowed(rec: float, can_offload: bool) -> list[str]:
@@ -47,7 +48,8 @@ def problems(draw, max_n: int = 8, max_half: int = 10) -> Problem:
     # Copy buckets: candidates sharing an id copy together (None: each alone).
     n = len(cols[0])
     buckets = draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
-    return Problem(Timeline(step, F, draw(st.sampled_from(BANDWIDTH)), fixed, overhead),
+    link = draw(st.sampled_from(LINK_OVERHEAD_MS))
+    return Problem(Timeline(step, F, draw(st.sampled_from(BANDWIDTH)), fixed, overhead, link),
                    Candidates(*cols, bucket=buckets))
 
 

@@ -270,3 +270,17 @@ def test_a_prefetch_queued_before_its_offload_lands_waits_for_it(windows):
     (d, _, _, d2h_end), (u, _, h2d_start, _) = windows
     assert (d, u) == ("d2h", "h2d") and h2d_start >= d2h_end
     assert torch.equal(out, src)
+
+
+def test_a_rescaled_link_takes_longer_per_copy_and_counts_it():
+    from fxckpt.emulation import rescale_link
+
+    src = _tensor(128 * 1024, 6)
+    with fxckpt.emulate_link(SLOW, overhead_ms=1) as link:
+        rescale_link(2.5)
+        h = OPS.offload(src)
+        OPS.offload_done(h, src)
+        assert torch.equal(_wait(h, src), src)
+    assert stats.snapshot()["copy_seconds"] == pytest.approx(2 * 2.5 * link.copy_seconds(src.nbytes))
+    with pytest.raises(OptionsError, match="rescale_link"):
+        rescale_link(2.0)
