@@ -20,8 +20,15 @@ which compiled forward the next call runs, nothing else. A re-plan whose compile
 guards on the shape environment (dynamo installed its guards at the first compile and would
 not check new ones) is thrown away, and the plan kept.
 
-What is not re-planned: plans with no offload (no copies to measure; ``"auto"`` changes
-nothing for them), plans under ``cost_model="unit"`` (its costs are not times, so measured
+A plan that recomputes something but whose copies are too few to measure the link (it may
+offload nothing: the plan was made for a link slower than the real one) gets one link probe
+per graph (:mod:`fxckpt.runtime.link_probe`) when the trigger asks for it: a timed round trip
+of a buffer, at the start of a forward, before the compiled graph runs. Its figure goes to
+the trigger, which stays pure; it is logged at INFO and counted (``stats()["link_probes"]``).
+``"never"`` judges nothing and so never probes.
+
+What is not re-planned: plans with neither offload nor recompute (nothing to trade), plans
+that offload nothing where no probe can run (``adapt="auto"`` without a recipe), plans under ``cost_model="unit"`` (its costs are not times, so measured
 times cannot correct them: measured and logged only), graphs whose inputs are tensor
 subclasses (no fake copies to re-compile from), and CPU graphs without an emulated link
 (:attr:`Recipe.has_link`: a RAM-to-RAM memcpy on a loaded machine is slow for reasons no
@@ -47,7 +54,7 @@ from fxckpt import _torch_compat as compat
 from fxckpt.options import Options
 from fxckpt.planning import adapt as rules
 from fxckpt.planning.adapt import Policy, StepSample, Verdict, judge
-from fxckpt.runtime import copy_meter, stats
+from fxckpt.runtime import copy_meter, link_probe, stats
 from fxckpt.runtime.engine import read_timings
 
 log = logging.getLogger(__name__)
@@ -71,10 +78,7 @@ class Recipe:
 
     @property
     def has_link(self) -> bool:
-        """Whether the graph's copies cross a host link: a GPU's, or one emulated on the CPU.
-        A CPU memcpy without emulation shares the cores compute runs on; how long it takes
-        says nothing about a link, and nothing a plan could fix."""
-        return self.device != "cpu" or _link.current() is not None
+        return has_link(self.device)
 
     @classmethod
     def capture(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options,
@@ -86,9 +90,7 @@ class Recipe:
         if got is None:
             log.debug("fxckpt: a graph with tensor-subclass inputs is measured, not re-planned")
             return None
-        devices = [x.device.type for x in got[1] if isinstance(x, torch.Tensor)]
-        device = next((d for d in devices if d not in ("cpu", "meta")), "cpu")
-        return cls(gm, got[0], got[1], options, mode, device)
+        return cls(gm, got[0], got[1], options, mode, graph_device(got[1]).type)
 
     def compile(self, measured: dict[str, float], name: str) -> tuple[Any, int]:
         """The graph compiled anew with ``measured`` figures, and how many shape guards that
@@ -103,12 +105,26 @@ class Recipe:
         return compiled, compat.shape_guard_count(self.fake_mode) - before
 
 
+def graph_device(inputs: Sequence[Any]) -> torch.device:
+    """Where a graph's tensors live: its first input off the CPU, else the CPU."""
+    devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
+    return next((d for d in devices if d.type not in ("cpu", "meta")), torch.device("cpu"))
+
+
+def has_link(device: torch.device | str) -> bool:
+    """Whether a graph's copies cross a host link: a GPU's, or one emulated on the CPU. A CPU
+    memcpy without emulation shares the cores compute runs on; how long it takes says nothing
+    about a link, and nothing a plan could fix."""
+    return torch.device(device).type != "cpu" or _link.current() is not None
+
+
 @dataclass(frozen=True)
 class _Facts:
     name: str
     assumed_bandwidth: float | None
     offloads: int
     recomputes: int
+    recomputed_bytes: int
 
 
 def _facts(payload: str, name: str) -> _Facts:
@@ -118,15 +134,16 @@ def _facts(payload: str, name: str) -> _Facts:
         plan = {}
     kinds = [a.get("decision") for a in plan.get("activations", [])]
     bandwidth = (plan.get("assumptions") or {}).get("bandwidth_bytes_per_s", {}).get("value")
+    recomputed = plan.get("recomputed_bytes")
     return _Facts(name, float(bandwidth) if bandwidth else None, kinds.count("offload"),
-                  kinds.count("recompute"))
+                  kinds.count("recompute"), recomputed if isinstance(recomputed, int) else 0)
 
 
 class Adaptive:
     """One compiled graph, measured, and re-planned when its measurements say so."""
 
     def __init__(self, compiled: Any, recipe: Recipe | None, options: Options,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, device: torch.device | None = None) -> None:
         self._fn = compiled
         self._recipe = recipe
         self.mode = options.adapt
@@ -141,6 +158,9 @@ class Adaptive:
         self._judging = mode_judges(options)
         self._warned = False
         self._lock = threading.Lock()
+        self.device = device or torch.device("cpu")
+        self.probes = 0  # link probes run for this graph: at most one
+        self._probed: float | None = None  # the probe's bandwidth, kept across re-plans
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._judging and self._lock.acquire(blocking=False):
@@ -168,23 +188,54 @@ class Adaptive:
         facts = self._plan_facts()
         if facts is None:
             return
-        if facts.offloads == 0 or facts.assumed_bandwidth is None:
-            self._judging = False  # nothing is copied: nothing to measure or correct
+        if facts.assumed_bandwidth is None or (facts.offloads == 0 and not (
+                facts.recomputes and self._may_probe())):
+            self._judging = False  # nothing is copied, and no probe could say more
             return
         verdict = judge(self._samples, facts.assumed_bandwidth, recomputes=facts.recomputes > 0,
-                        policy=self.policy)
+                        probed_bandwidth=self._probed, policy=self.policy)
         if verdict is None:
             return
+        if verdict.wants_probe and self._may_probe():
+            self._probe(facts)
+            verdict = judge(self._samples, facts.assumed_bandwidth,
+                            recomputes=facts.recomputes > 0, probed_bandwidth=self._probed,
+                            policy=self.policy)
+            assert verdict is not None
         self.verdicts.append(verdict)
         # The next window starts after this one: the warm-up is not repeated.
         self._samples = self._samples[: self.policy.warmup_steps]
         if not verdict.replan:
             log.debug("fxckpt[%s] %s", facts.name, verdict.describe())
+            if facts.offloads == 0 and self.probes:
+                self._judging = False  # probed, and the link is as slow as assumed
             return
         if self.mode == "auto" and self._recipe is not None and self._recipe.has_link:
             self._replan(facts, verdict)
         else:
             self._warn(facts, verdict)
+
+    def _may_probe(self) -> bool:
+        """Whether a link probe may run for this graph: one per graph, where it could change
+        something (a re-plan under ``"auto"``, a warning under ``"measure"``), on a link."""
+        if self.probes or self.mode == "never" or not has_link(self.device):
+            return False
+        return self.mode == "measure" or self._recipe is not None
+
+    def _probe(self, facts: _Facts) -> None:
+        assert facts.assumed_bandwidth is not None
+        self.probes += 1
+        nbytes = rules.probe_bytes(facts.recomputed_bytes, facts.assumed_bandwidth)
+        try:
+            got = link_probe.probe(self.device, nbytes)
+        except Exception as err:  # a failed probe must not end the training run
+            log.warning("fxckpt[%s] link probe failed: %r", facts.name, err)
+            return
+        self._probed = None if got is None else got.bandwidth
+        stats.record_probe(facts.name, self._probed)
+        log.info("fxckpt[%s] link probe (the plan's copies are too few to measure the link): "
+                 "%s; the plan assumed %.4g MB/s", facts.name,
+                 "no link" if got is None else got.describe(), facts.assumed_bandwidth / 1e6)
 
     def _plan_facts(self) -> _Facts | None:
         name, payload = self.meter.name, self.meter.payload

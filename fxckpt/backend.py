@@ -189,7 +189,7 @@ def compile_graph(
     configure_runtime(options)
     recipe = adapt.Recipe.capture(gm, example_inputs, options, mode)
     compiled = compile_partitioned(gm, example_inputs, FxckptPartitioner(options), mode)
-    return adapt.Adaptive(compiled, recipe, options)
+    return adapt.Adaptive(compiled, recipe, options, device=adapt.graph_device(example_inputs))
 
 
 def compile_partitioned(

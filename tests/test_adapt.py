@@ -221,3 +221,88 @@ def test_a_replan_whose_compile_adds_shape_guards_is_dropped(
     monkeypatch.setattr(adapt.compat, "shape_guard_count", lambda mode: next(counts))
     names = train(EAGER_ALL, 6)
     assert fxckpt.stats()["replans"] == 0 and _replanned(names, 0)
+
+
+# The trigger's own thresholds, judged from the second step: a plan with nothing to stall on
+# is judged by its copies or, too few to measure the link, by a probe.
+PROBING = rules.Policy(warmup_steps=1, window_steps=1)
+# Behind a 200 MB/s link (well under this machine's memcpy speed, so that the link's windows,
+# not memcpys, time the copies), with the planner's compute 5x the cost model's: at 50 MB/s
+# this decoder's plan offloads nothing and recomputes; at the link's 200 MB/s it offloads
+# some of that instead (its plans' decisions are asserted below).
+LINK = {"bandwidth": "200MB/s", "compute_scale": 5.0}
+LOW = {"compiler": "eager", "memory_budget": 0.4, "bandwidth": "50MB/s"}
+
+
+def _train_deep(options: dict[str, Any], steps: int) -> None:
+    torch.manual_seed(0)
+    model = GPT(d=64, heads=4, n_layers=4)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxckpt.backend(**options))
+    for i in range(steps):
+        idx, tgt = gpt_inputs(seq=128, seed=i)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = compiled(idx, tgt)
+        loss.backward()
+        want = ref(idx, tgt)
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        _check_grads(model, ref)
+
+
+@pytest.fixture
+def probing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(rules, "DEFAULT_POLICY", PROBING)
+    fxckpt.reset_stats()
+    with fxckpt.emulate_link(**LINK):
+        yield
+
+
+def _decisions(plan: fxckpt.Plan) -> tuple[int, int]:
+    kinds = [a.decision.kind for a in plan.activations]
+    return kinds.count("offload"), kinds.count("recompute")
+
+
+def test_a_bandwidth_4x_too_low_is_probed_and_replanned_to_offload_more(probing: None) -> None:
+    _train_deep(LOW, 5)  # loss and every gradient against eager, every step
+    snap = fxckpt.stats()
+    assert snap["replans"] == 1 and snap["link_probes"] == 1, snap
+    first, second = sorted(fxckpt.last_plans(), key=lambda p: p.name)
+    assert second.name == f"{first.name}~r1"
+    (off0, rec0), (off1, rec1) = _decisions(first), _decisions(second)
+    assert off0 == 0 < rec0, (off0, rec0)  # the first plan copies nothing: only a probe can tell
+    assert off1 > off0 and rec1 < rec0, (off1, rec1)
+    assert second.offloaded_bytes > 0 and second.recomputed_bytes < first.recomputed_bytes
+    assert second.budget_bytes == first.budget_bytes
+    fig = second.assumptions["bandwidth_bytes_per_s"]
+    probed = snap["graphs"][first.name]["probed_bandwidth_bytes_per_s"]
+    assert fig["source"] == "measured at run time" and fig["value"] == probed
+    assert snap["graphs"][first.name]["link_probes"] == 1
+    # the emulated link's windows last bytes / bandwidth, or longer when a memcpy overran
+    assert 1.5 * 50e6 < probed <= 200e6 * (1 + 1e-9)
+
+
+def test_adapt_never_never_probes(probing: None) -> None:
+    _train_deep({**LOW, "adapt": "never"}, 4)
+    snap = fxckpt.stats()
+    assert snap["link_probes"] == 0 and snap["replans"] == 0
+    (plan,) = fxckpt.last_plans()
+    assert _decisions(plan)[0] == 0 and all(g["link_probes"] == 0 for g in snap["graphs"].values())
+
+
+def test_adapt_measure_probes_once_and_warns(probing: None) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_deep({**LOW, "adapt": "measure"}, 5)
+    ours = [w for w in caught if issubclass(w.category, adapt.AdaptWarning)]
+    assert len(ours) == 1 and "probe" in str(ours[0].message), [str(w.message) for w in ours]
+    snap = fxckpt.stats()
+    assert snap["link_probes"] == 1 and snap["replans"] == 0
+
+
+def test_no_probe_without_a_link(probing: None) -> None:
+    with fxckpt.emulate_link(None):
+        _train_deep(LOW, 4)
+    snap = fxckpt.stats()
+    assert snap["link_probes"] == 0 and snap["replans"] == 0

@@ -17,7 +17,9 @@ Measured per graph since the last reset (:mod:`fxckpt.runtime.copy_meter`), over
 ``exposed_copy_seconds`` (how long compute waited for its host copies), ``copy_seconds`` and
 ``copied_bytes`` (both directions), and ``measured_bandwidth_bytes_per_s`` (bytes over copy
 seconds; None before a copy). ``replans`` counts the graphs fxckpt re-planned from such
-measurements (:mod:`fxckpt.adapt`).
+measurements (:mod:`fxckpt.adapt`); ``link_probes`` the timed round trips it ran for plans
+whose copies were too few to measure the link (per graph: ``link_probes`` and
+``probed_bandwidth_bytes_per_s``, under the name of the plan that ran then).
 
 Every figure lives here, behind one lock, so that :func:`snapshot` is consistent. The pool
 reports its own figures through :func:`pool_resized` and :func:`add`.
@@ -51,6 +53,7 @@ _COUNTERS = (
     "disk_read_seconds",
     "disk_fallbacks",
     "replans",
+    "link_probes",
 )
 _SECONDS = ("stall_seconds", "copy_seconds", "disk_write_seconds", "disk_read_seconds")
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone; so do
@@ -98,6 +101,9 @@ class GraphFigures:
     copy_seconds: float = 0.0
     copied_bytes: int = 0
     measured_bandwidth_bytes_per_s: float | None = None
+    # A link probe's (fxckpt.runtime.link_probe), run between two of this plan's steps.
+    link_probes: int = 0
+    probed_bandwidth_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,15 @@ def record_offload(nbytes: int) -> None:
     with _lock:
         _values["offload_calls"] += 1
         _values["offloaded_bytes"] += nbytes
+
+
+def record_probe(name: str, bandwidth: float | None) -> None:
+    """A link probe ran for the graph whose plan is ``name``, and measured ``bandwidth``."""
+    with _lock:
+        _values["link_probes"] += 1
+        fig = _graphs.setdefault(name, GraphFigures())
+        fig.link_probes += 1
+        fig.probed_bandwidth_bytes_per_s = bandwidth
 
 
 def record_fallback(nbytes: int) -> None:

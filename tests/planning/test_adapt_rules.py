@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from fxckpt.planning.adapt import DEFAULT_POLICY, Policy, StepSample, judge
+from fxckpt.planning.adapt import (
+    DEFAULT_POLICY,
+    PROBE_MAX_BYTES,
+    PROBE_MAX_SECONDS,
+    PROBE_MIN_BYTES,
+    Policy,
+    StepSample,
+    judge,
+    probe_bytes,
+)
 
 MB = 1e6
 POLICY = Policy(warmup_steps=2, window_steps=5)  # the default, spelled out
@@ -112,3 +121,51 @@ def test_a_slower_link_whose_copies_still_hide_is_left_alone() -> None:
 def test_no_copies_no_verdict_to_replan() -> None:
     v = judge(WARM + steps(5, copy=0.0, nbytes=0), 100 * MB, recomputes=True, policy=POLICY)
     assert v is not None and not v.replan and v.measured_bandwidth is None
+
+
+def test_a_plan_whose_copies_are_too_few_to_measure_the_link_asks_for_a_probe() -> None:
+    v = judge(WARM + steps(5, copy=0.0, nbytes=0), 25 * MB, recomputes=True, policy=POLICY)
+    assert v is not None and not v.replan and v.wants_probe
+    # nothing recomputed: offloading more could replace nothing, no probe
+    v = judge(WARM + steps(5, copy=0.0, nbytes=0), 25 * MB, recomputes=False, policy=POLICY)
+    assert v is not None and not v.replan and not v.wants_probe
+    # copies that measure the link need no probe
+    v = judge(WARM + steps(5), 100 * MB, recomputes=True, policy=POLICY)
+    assert v is not None and not v.wants_probe
+
+
+def test_a_probe_over_the_factor_replans_with_the_probed_bandwidth() -> None:
+    # the plan assumed 25 MB/s and offloads nothing; a probe measured 100 MB/s (4x)
+    v = judge(WARM + steps(5, copy=0.0, nbytes=0), 25 * MB, recomputes=True,
+              probed_bandwidth=100 * MB, policy=POLICY)
+    assert v is not None and v.replan and not v.wants_probe
+    assert v.planning_bandwidth == pytest.approx(100 * MB)
+    assert "probe" in v.reason and "probed 100 MB/s" in v.describe()
+
+
+def test_a_probe_within_the_factor_or_slower_leaves_the_plan_alone() -> None:
+    for probed in (35 * MB, 25 * MB, 5 * MB):  # 1.4x, as assumed, 5x slower
+        v = judge(WARM + steps(5, copy=0.0, nbytes=0), 25 * MB, recomputes=True,
+                  probed_bandwidth=probed, policy=POLICY)
+        assert v is not None and not v.replan and not v.wants_probe, probed
+
+
+def test_a_probe_does_not_override_copies_that_measure_the_link() -> None:
+    # 2 MB in 20 ms measure 100 MB/s, the assumed figure: a stale fast probe changes nothing
+    v = judge(WARM + steps(5), 100 * MB, recomputes=True, probed_bandwidth=1000 * MB,
+              policy=POLICY)
+    assert v is not None and not v.replan
+
+
+def test_a_probe_of_small_copies_replans_a_plan_that_recomputes() -> None:
+    # copies under the 5 ms floor do not measure the link; the probe does
+    v = judge(WARM + steps(5, copy=0.0001, nbytes=40_000), 25 * MB, recomputes=True,
+              probed_bandwidth=400 * MB, policy=POLICY)
+    assert v is not None and v.replan and v.planning_bandwidth == pytest.approx(400 * MB)
+
+
+def test_the_probe_moves_what_the_plan_recomputes_capped() -> None:
+    assert probe_bytes(1 << 20, 100 * MB) == 1 << 20
+    assert probe_bytes(64 << 20, 100 * MB) == PROBE_MAX_BYTES  # 4 MiB under 0.1 s at 100 MB/s
+    assert probe_bytes(64 << 20, 10 * MB) == int(10 * MB * PROBE_MAX_SECONDS)  # 0.1 s of copy
+    assert probe_bytes(0, 100 * MB) == PROBE_MIN_BYTES
