@@ -11,7 +11,11 @@ link:
 - **too high**: ``bandwidth`` 4x the link's. The plan offloads more than the link can move
   while compute runs, so the first steps stall;
 - **too low**: ``bandwidth`` a quarter of the link's. The plan recomputes what it could have
-  offloaded.
+  offloaded. This case runs behind a link ``--low-speedup`` times the target's (2.5 by
+  default: between PCIe5 and NVLink-C2C): at the target's own PCIe ratio this model's plan
+  recomputes everything even at the link's real bandwidth, so that a quarter of it costs
+  nothing and a re-plan could change nothing. Such a plan copies nothing for the copy meter
+  to measure; under ``adapt="auto"`` one link probe between two steps measures the link.
 
 Each case runs twice, ``adapt="auto"`` and ``adapt="never"``, from the same weights and
 batches, at the same ``memory_budget``. The two rows take turns step by step (the order
@@ -43,7 +47,9 @@ import torch
 from benchmarks.cpu_bench import machine_info
 from benchmarks.methods import Decoder, DecoderConfig, grads_match, grads_of, make_batch
 
-MODEL = DecoderConfig("gpt-adapt", vocab=512, d=128, heads=4, layers=4, ffn=512)
+# d=256: recompute must cost enough, next to a CPU memcpy's own time (which a GPU's copy
+# engines would not take from compute), for offload to save time in the too-low case.
+MODEL = DecoderConfig("gpt-adapt", vocab=512, d=256, heads=4, layers=4, ffn=1024)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- adapt:begin -->", "<!-- adapt:end -->"
 
@@ -53,6 +59,7 @@ class Row:
     case: str
     adapt: str
     bandwidth: float
+    link: dict[str, Any]
     model: Decoder
     compiled: Any
     ref: Decoder
@@ -70,9 +77,20 @@ def _replans(graphs: dict[str, Any], mine: set[str]) -> int:
     return sum(1 for n in graphs if "~" in n and n.split("~")[0] in mine)
 
 
+def _install(link: dict[str, Any]) -> None:
+    """Emulate ``link`` from now on (between two steps: no copy is in flight)."""
+    import fxckpt
+
+    kwargs: dict[str, Any] = {"overhead_ms": link["overhead_ms"]}
+    if link["compute_scale"] is not None:
+        kwargs["compute_scale"] = link["compute_scale"]
+    fxckpt.emulate_link(link["bandwidth"], **kwargs)
+
+
 def step(row: Row, idx: torch.Tensor, tgt: torch.Tensor, memory: bool) -> None:
     import fxckpt
 
+    _install(row.link)
     before = fxckpt.stats()["graphs"]
     known = set(before)
     row.model.zero_grad(set_to_none=True)
@@ -103,6 +121,8 @@ def step(row: Row, idx: torch.Tensor, tgt: torch.Tensor, memory: bool) -> None:
         "replans": _replans(after, row.graphs),
         "held_bytes": held,
         "plans": sorted(n for n in after if n.split("~")[0] in row.graphs),
+        "link_probes": sum(g.get("link_probes", 0) for n, g in after.items()
+                           if n.split("~")[0] in row.graphs),
     })
 
 
@@ -113,9 +133,8 @@ def _link(cfg: DecoderConfig, batch: int, seq: int, target: str, link: float | N
 
     params = inspect.signature(fxckpt.emulate_link).parameters
     if link is None and "forward_ms" in params:
-        from fxckpt.targets import derive
-
         from benchmarks.gpu_shaped import LinkClock  # the same sizing as the GPU-shaped suite
+        from fxckpt.targets import derive
 
         forward_ms = LinkClock(cfg, batch, seq).size()
         torch.manual_seed(0)
@@ -138,7 +157,9 @@ def summarize(row: Row, first: int = 3, last: int = 3) -> dict[str, Any]:
     tail_steps = [x["step_s"] for x in s[-last:]]
     return {
         "case": row.case, "adapt": row.adapt, "bandwidth_option": row.bandwidth,
+        "link_bandwidth": row.link["bandwidth"],
         "replans": s[-1]["replans"] if s else 0,
+        "link_probes": s[-1].get("link_probes", 0) if s else 0,
         "replans_by_step_10": s[min(9, len(s) - 1)]["replans"] if s else 0,
         "first_steps_stall_s": sum(head) / max(1, len(head)),
         "last_steps_stall_s": sum(tail) / max(1, len(tail)),
@@ -151,8 +172,59 @@ def summarize(row: Row, first: int = 3, last: int = 3) -> dict[str, Any]:
     }
 
 
+def _plan_figures(row: Row) -> dict[str, Any]:
+    """What each of the row's plans decided (the first, then its re-plans), and the link
+    probe's figure: read from the plans and stats, after the run."""
+    import fxckpt
+
+    plans = {p.name: p for p in fxckpt.last_plans()}
+    graphs = fxckpt.stats()["graphs"]
+    out = []
+    for name in (row.steps[-1]["plans"] if row.steps else []):
+        p = plans.get(name)
+        if p is None:
+            continue
+        kinds = [a.decision.kind for a in p.activations]
+        out.append({"name": name, "offloads": kinds.count("offload"),
+                    "recomputes": kinds.count("recompute"), "offloaded_bytes": p.offloaded_bytes,
+                    "recomputed_bytes": p.recomputed_bytes, "kept_bytes": p.kept_bytes,
+                    "budget_bytes": p.budget_bytes,
+                    "bandwidth": p.assumptions.get("bandwidth_bytes_per_s", {}).get("value")})
+    probed = [g.get("probed_bandwidth_bytes_per_s") for n, g in graphs.items()
+              if n.split("~")[0] in row.graphs and g.get("link_probes")]
+    return {"plans": out, "probed_bandwidth": probed[0] if probed else None}
+
+
+def _plan_line(r: dict[str, Any]) -> str:
+    parts = [f"`{p['name']}` offloads {p['offloaded_bytes'] / 2**20:.2f} MiB and recomputes "
+             f"{p['recomputed_bytes'] / 2**20:.2f} MiB (budget {_mib(p.get('budget_bytes'))})"
+             for p in r.get("plans", [])]
+    probe = ("" if r.get("probed_bandwidth") is None
+             else f" (link probe: {r['probed_bandwidth'] / 1e6:.4g} MB/s)")
+    return f"- {r['case']}, {r['adapt']}: " + "; then ".join(parts) + probe
+
+
+def paired(rows: list[Row]) -> list[dict[str, Any]]:
+    """Per case: the median over the steps after ``auto``'s first re-plan of ``auto``'s step
+    time over ``never``'s at the same step (the two took turns: the same load)."""
+    out = []
+    for case in dict.fromkeys(r.case for r in rows):
+        auto = next(r for r in rows if r.case == case and r.adapt == "auto")
+        never = next(r for r in rows if r.case == case and r.adapt == "never")
+        first = next((i for i, x in enumerate(auto.steps) if x["replans"]), None)
+        if first is None:
+            out.append({"case": case, "from_step": None, "ratio": None, "pairs": 0})
+            continue
+        ratios = [a["step_s"] / b["step_s"] for a, b in
+                  zip(auto.steps[first + 1:], never.steps[first + 1:], strict=True)]
+        out.append({"case": case, "from_step": first + 1, "pairs": len(ratios),
+                    "ratio": statistics.median(ratios) if ratios else None,
+                    "min": min(ratios, default=None), "max": max(ratios, default=None)})
+    return out
+
+
 def _mib(n: int | None) -> str:
-    return "not measured" if n is None else f"{n / 2**20:.2f} MiB"
+    return "not measured" if n is None else f"{n / 2**20:.2f} MiB"  # also a plan's budget
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -166,17 +238,33 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Link: {link['bandwidth'] / 1e6:.4g} MB/s each way, {link['overhead_ms']:.3g} ms per "
         f"copy ({link['sized']}).",
         "",
-        "| case | adapt | bandwidth option | re-plans | stall, first 3 steps | stall, last 3 "
-        "steps | last 3: step | last 3: stall share | max held (measured) | grads = eager |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"The *too low* case runs behind a link {doc['low_speedup']:g}x that: "
+        f"{link['bandwidth'] * doc['low_speedup'] / 1e6:.4g} MB/s each way.",
+        "",
+        "| case | adapt | link | bandwidth option | re-plans | link probes | stall, first 3 "
+        "steps | stall, last 3 steps | last 3: step | last 3: stall share | max held (measured) "
+        "| grads = eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["summary"]:
         lines.append(
-            f"| {r['case']} | {r['adapt']} | {r['bandwidth_option'] / 1e6:.4g} MB/s | "
-            f"{r['replans']} | {r['first_steps_stall_s'] * 1e3:.1f} ms | "
+            f"| {r['case']} | {r['adapt']} | {r['link_bandwidth'] / 1e6:.4g} MB/s | "
+            f"{r['bandwidth_option'] / 1e6:.4g} MB/s | "
+            f"{r['replans']} | {r['link_probes']} | {r['first_steps_stall_s'] * 1e3:.1f} ms | "
             f"{r['last_steps_stall_s'] * 1e3:.1f} ms | {r['last_steps_step_s'] * 1e3:.0f} ms | "
             f"{100 * r['last_steps_stall_share']:.1f} % | {_mib(r['max_held_bytes'])} | "
             f"{'yes' if r['grads_equal_eager'] else 'NO: ' + r['first_mismatch']} |")
+    lines += ["", "After `auto`'s first re-plan, `auto`'s step time over `never`'s at the same "
+              "step (paired; median, and the range):", ""]
+    for p in doc.get("paired", []):
+        if p["ratio"] is None:
+            lines.append(f"- {p['case']}: no re-plan, or no step after it")
+        else:
+            lines.append(f"- {p['case']}: {p['ratio']:.3f} over steps {p['from_step']} to "
+                         f"{doc['steps'] - 1} ({p['pairs']} pairs, {p['min']:.2f} to "
+                         f"{p['max']:.2f})")
+    lines += ["", "Plans (the first, then each re-plan):", ""]
+    lines += [_plan_line(r) for r in doc["summary"]]
     lines += ["", "Per step (exposed stall ms / step ms, re-plans so far):", ""]
     header = "| step | " + " | ".join(f"{r['case']}, {r['adapt']}" for r in doc["summary"]) + " |"
     lines += [header, "|---" * (1 + len(doc["summary"])) + "|"]
@@ -211,6 +299,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="bytes/s of the emulated link instead of a target's (no compute scaling)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--factor", type=float, default=4.0)
+    p.add_argument("--low-speedup", type=float, default=2.5,
+                   help="the too-low case's link, as a multiple of the target's (1: the same)")
     p.add_argument("--memory", action="store_true",
                    help="measure each forward with fxckpt.measure (its profiler slows the "
                         "forward, which then hides more of the copies)")
@@ -234,13 +324,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = [make_batch(cfg, args.batch, args.seq, "cpu", seed=i) for i in range(args.steps)]
     fxckpt.reset_stats()
     rows: list[Row] = []
-    for case, factor in (("too high", args.factor), ("too low", 1 / args.factor)):
+    low = {**link, "bandwidth": link["bandwidth"] * args.low_speedup}
+    for case, factor, behind in (("too high", args.factor, link),
+                                 ("too low", 1 / args.factor, low)):
         for mode in ("auto", "never"):
             model = copy.deepcopy(base)
-            options = {"memory_budget": args.budget, "bandwidth": link["bandwidth"] * factor,
+            options = {"memory_budget": args.budget, "bandwidth": behind["bandwidth"] * factor,
                        "adapt": mode, "compiler": "eager"}
             compiled = torch.compile(model, backend=fxckpt.backend(**options))
-            rows.append(Row(case, mode, options["bandwidth"], model, compiled, copy.deepcopy(base)))
+            rows.append(Row(case, mode, options["bandwidth"], behind, model, compiled,
+                            copy.deepcopy(base)))
     try:
         for i, (idx, tgt) in enumerate(batches):
             order = rows if i % 2 == 0 else rows[::-1]
@@ -254,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts["loadavg_end"] = list(os.getloadavg())
     doc = {"command": command, "machine": facts, "model": cfg.describe(), "batch": args.batch,
            "seq": args.seq, "budget": args.budget, "steps": args.steps, "link": link,
-           "summary": [summarize(r) for r in rows],
+           "low_speedup": args.low_speedup,
+           "summary": [{**summarize(r), **_plan_figures(r)} for r in rows],
+           "paired": paired(rows),
            "rows": [{"case": r.case, "adapt": r.adapt, "steps": r.steps} for r in rows]}
     text = markdown(doc)
     print()

@@ -110,6 +110,7 @@ def test_snapshot_has_every_documented_figure():
         "disk_fallbacks",
         "disk_files",
         "replans",
+        "link_probes",
     }
 
 
