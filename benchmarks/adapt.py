@@ -197,7 +197,7 @@ def _plan_figures(row: Row) -> dict[str, Any]:
 
 def _plan_line(r: dict[str, Any]) -> str:
     parts = [f"`{p['name']}` offloads {p['offloaded_bytes'] / 2**20:.2f} MiB and recomputes "
-             f"{p['recomputed_bytes'] / 2**20:.2f} MiB (budget {_mib(p.get('budget_bytes'))})"
+             f"{p['recomputed_bytes'] / 2**20:.2f} MiB{_budget(p.get('budget_bytes'))}"
              for p in r.get("plans", [])]
     probe = ("" if r.get("probed_bandwidth") is None
              else f" (link probe: {r['probed_bandwidth'] / 1e6:.4g} MB/s)")
@@ -224,7 +224,11 @@ def paired(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def _mib(n: int | None) -> str:
-    return "not measured" if n is None else f"{n / 2**20:.2f} MiB"  # also a plan's budget
+    return "not measured" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def _budget(n: int | None) -> str:
+    return "" if n is None else f" under a budget of {n / 2**20:.2f} MiB"
 
 
 def markdown(doc: dict[str, Any]) -> str:
