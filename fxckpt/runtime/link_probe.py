@@ -56,6 +56,8 @@ def probe(device: torch.device, nbytes: int) -> Probe | None:
     if device.type == "cpu":
         return _cpu(nbytes)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return _cuda_probe(device, nbytes)
     return None
 
@@ -73,8 +75,6 @@ def _cpu(nbytes: int) -> Probe | None:
 
 def _cuda_probe(device: torch.device, nbytes: int) -> Probe:
     cuda = _cuda.CUDA
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # page_locked takes whole pages
     with cuda.device(device):
         host = cuda.page_locked(size)[:nbytes]
