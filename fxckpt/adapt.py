@@ -28,11 +28,11 @@ the trigger, which stays pure; it is logged at INFO and counted (``stats()["link
 ``"never"`` judges nothing and so never probes.
 
 What is not re-planned: plans with neither offload nor recompute (nothing to trade), plans
-that offload nothing where no probe can run (``adapt="auto"`` without a recipe), plans under ``cost_model="unit"`` (its costs are not times, so measured
-times cannot correct them: measured and logged only), graphs whose inputs are tensor
-subclasses (no fake copies to re-compile from), and CPU graphs without an emulated link
-(:attr:`Recipe.has_link`: a RAM-to-RAM memcpy on a loaded machine is slow for reasons no
-plan can fix; measured and logged only).
+that offload nothing where no probe can run, plans under ``cost_model="unit"`` (its costs
+are not times, so measured times cannot correct them: measured and logged only), graphs
+whose inputs are tensor subclasses (no fake copies to re-compile from), and CPU graphs
+without an emulated link (:func:`has_link`: a RAM-to-RAM memcpy on a loaded machine is slow
+for reasons no plan can fix; measured and logged only, and never probed).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 MAX_REPLANS = 2
 
 # A link probe's buffer: at most this many bytes, and at most this long each way at the
-# bandwidth the plan assumed (a probe is between steps: it must never cost a step's time).
+# bandwidth the plan assumed (a probe runs between two steps, once: it must cost far less
+# than one), and at least enough bytes that a copy's fixed overhead does not dominate.
 PROBE_MAX_BYTES = 4 << 20
 PROBE_MIN_BYTES = 64 << 10
 PROBE_MAX_SECONDS = 0.1
