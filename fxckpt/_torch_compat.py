@@ -522,3 +522,59 @@ def composite_ops_decompose_on_meta() -> Iterator[None]:
         for op, kernel in removed:
             op.py_kernels[meta_key] = kernel
             op._dispatch_cache.clear()
+
+
+# Re-planning a graph at run time (fxckpt.adapt) re-runs its compile outside dynamo.
+
+
+def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
+    """The fake mode a backend compile runs in, and fake copies of its example inputs made as
+    AOTAutograd makes them (``_aot_autograd.frontend_utils.process_inputs``): each real tensor
+    with the symbolic context dynamo gave it, so a later compile from these fakes is made
+    for the same symbolic sizes, under the same shape environment. None for inputs it cannot
+    copy that way (tensor subclasses, fakes of another mode).
+
+    Called inside dynamo's backend call, before the compile: the fake mode's memo then
+    hands AOTAutograd these same fakes.
+    """
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    ctx = TracingContext.try_get()
+    mode = ctx.fake_mode if ctx is not None and ctx.fake_mode is not None else None
+    contexts = ctx.tensor_to_context if ctx is not None else {}
+    if mode is None:
+        found = [x.fake_mode for x in example_inputs if isinstance(x, FakeTensor)]
+        mode = found[0] if found else FakeTensorMode(allow_non_fake_inputs=True)
+    out: list[Any] = []
+    with mode:
+        for x in example_inputs:
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, FakeTensor):
+                if x.fake_mode is not mode:
+                    return None
+                out.append(x)
+            elif is_traceable_wrapper_subclass(x) or type(x) not in (torch.Tensor,
+                                                                     torch.nn.Parameter):
+                return None
+            else:
+                symbolic = contexts.get(x) if contexts else None
+                source = None if symbolic is None else symbolic.tensor_source
+                out.append(mode.from_tensor(x, symbolic_context=symbolic, source=source,
+                                            trace=False))
+    return mode, out
+
+
+def recompiling(fake_mode: Any) -> Any:
+    """A fresh tracing context over ``fake_mode``, for a compile outside dynamo."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(fake_mode))
+
+
+def shape_guard_count(fake_mode: Any) -> int:
+    """How many guards the shape environment of ``fake_mode`` holds (0 without one)."""
+    env = getattr(fake_mode, "shape_env", None)
+    return 0 if env is None else len(env.guards)

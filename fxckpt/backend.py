@@ -58,12 +58,16 @@ def record_plan(plan: Plan) -> str:
 class FxckptPartitioner(compat.CustomPartitionerFn):
     """The partitioner Inductor (or aot_autograd) calls with each joint graph.
 
-    It lives at module level and holds only an :class:`Options`, because Inductor pickles it
-    into the FX-graph-cache key.
+    It lives at module level and holds only picklable state, because Inductor pickles it into
+    the FX-graph-cache key: an :class:`Options`, and for a re-plan (:mod:`fxckpt.adapt`) the
+    figures measured at run time that replace the cost model's and the plan's name.
     """
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, measured: Mapping[str, float] | None = None,
+                 name: str | None = None) -> None:
         self.options = options
+        self.measured = tuple(sorted((measured or {}).items()))
+        self.name = name
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -81,26 +85,31 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
             gm,
             joint_inputs,
             self.options,
-            graph_name=_graph_name(),
+            graph_name=self.name or _graph_name(),
             num_fwd_outputs=num_fwd_outputs,
             record=record_plan,
             inductor=compiler == "inductor",
+            measured=dict(self.measured),
             **passed,
         )
 
     def uuid(self) -> str:
         from fxckpt import __version__
 
-        return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self.options.cache_key()}"
+        return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self._key()}"
+
+    def _key(self) -> str:
+        if not self.measured:
+            return self.options.cache_key()
+        figures = ",".join(f"{k}={v!r}" for k, v in self.measured)
+        return f"{self.options.cache_key()}-{self.name}-{figures}"
 
     def __eq__(self, other: object) -> bool:
         # By cache key, not Options equality: which options were set explicitly changes plans.
-        return isinstance(other, FxckptPartitioner) and (
-            self.options.cache_key() == other.options.cache_key()
-        )
+        return isinstance(other, FxckptPartitioner) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self.options.cache_key())
+        return hash(self._key())
 
 
 def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
@@ -166,10 +175,30 @@ def compile_graph(
     """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator.
 
     ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
+    Otherwise the graph's copies are measured at run time, and under ``adapt="auto"`` a graph
+    whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`).
     """
-    if not offline:
-        configure_runtime(options)
-    partitioner = FxckptPartitioner(options)
+    if offline:
+        return compile_partitioned(gm, example_inputs, FxckptPartitioner(options), mode,
+                                   offline=True)
+    from fxckpt import adapt
+
+    configure_runtime(options)
+    recipe = adapt.Recipe.capture(gm, example_inputs, options, mode)
+    compiled = compile_partitioned(gm, example_inputs, FxckptPartitioner(options), mode)
+    return adapt.Adaptive(compiled, recipe, options, device=adapt.graph_device(example_inputs))
+
+
+def compile_partitioned(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    partitioner: FxckptPartitioner,
+    mode: str | None = None,
+    *,
+    offline: bool = False,
+) -> Any:
+    """:func:`compile_graph` with a given partitioner, without the run-time measurement."""
+    options = partitioner.options
     if options.compiler == "eager":
         if mode not in (None, "default"):
             raise OptionsError(

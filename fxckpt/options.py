@@ -65,6 +65,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cost_model": ("flops", "profile", "unit"),
     "compiler": ("inductor", "eager"),
     "on_infeasible": ("raise", "warn"),
+    "adapt": ("auto", "never", "measure"),
 }
 
 
@@ -265,6 +266,8 @@ class Options:
     cost_model: str = "flops"
     compiler: str = "inductor"
     on_infeasible: str = "raise"
+    # Re-plan a graph whose measured copies contradict its plan's assumptions (fxckpt.adapt).
+    adapt: str = "auto"
     blocks: str | None = None
     block_index: int | None = None
 

@@ -17,7 +17,8 @@ def internal_uses(source: str) -> list[tuple[int, str]]:
     """``torch._name`` in code (imports included), not in strings or comments."""
     names = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
              if t.type in (tokenize.NAME, tokenize.OP)]
-    return [(a.start[0], f"torch.{c.string}") for a, b, c in zip(names, names[1:], names[2:])
+    triples = zip(names, names[1:], names[2:], strict=False)
+    return [(a.start[0], f"torch.{c.string}") for a, b, c in triples
             if a.string == "torch" and b.string == "." and c.string.startswith("_")]
 
 

@@ -7,7 +7,7 @@ Nothing here runs at import: bandwidth is measured on first use and cached per p
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,10 +209,12 @@ def _gpu_like(device: str) -> bool:
 # Sources of an assumed figure: measured on this machine, given as an option, the table's, or
 # the CPU engine's emulated host link (fxckpt._link).
 MEASURED, OPTION, DEFAULT, EMULATED = "measured", "option", "default", "emulated"
+RUN_TIME = "measured at run time"  # a re-plan's figures, from the graph's own copies
 UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
 
-def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
+def assumptions(options: Options, device: Any, measured: Mapping[str, float] | None = None
+                ) -> dict[str, dict[str, Any]]:
     """What the cost model assumes for one compile on ``device``, each figure with where it
     came from: ``{"name": {"value": float, "source": "measured" | "option" | "default" |
     "emulated"}}``.
@@ -233,6 +235,9 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
     ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
     that replaces a figure for a whole compile (an emulated host link, say, with its own
     source name) hooks in here, and the plan, the logs and ``fxckpt inspect`` follow.
+
+    ``measured``: figures measured while the graph ran (a re-plan, :mod:`fxckpt.adapt`);
+    each replaces the figure of its name, with the source ``"measured at run time"``.
     """
     from fxckpt import _link
 
@@ -250,7 +255,7 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
         bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
     rates, rates_source = planning_rates(name)
     unit = options.cost_model == "unit"
-    return {
+    figures = {
         "bandwidth_bytes_per_s": bandwidth,
         "compute_flops_per_s": _figure(rates.flops_per_ms * 1e3, rates_source),
         "memory_bytes_per_s": _figure(rates.bytes_per_ms * 1e3, rates_source),
@@ -259,6 +264,9 @@ def assumptions(options: Options, device: Any) -> dict[str, dict[str, Any]]:
                              and not unit else _figure(0.0, DEFAULT)),
         "copy_margin": _figure(0.0 if unit else COPY_MARGIN, DEFAULT),
     }
+    for key, value in (measured or {}).items():
+        figures[key] = _figure(float(value), RUN_TIME)
+    return figures
 
 
 def _figure(value: float, source: str) -> dict[str, Any]:

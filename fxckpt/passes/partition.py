@@ -25,7 +25,7 @@ import gc
 import json
 import logging
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -146,11 +146,13 @@ def partition(
     num_fwd_outputs: int,
     record: Callable[[Plan], str],
     inductor: bool = False,
+    measured: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> GraphPair:
     """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan.
 
-    ``inductor``: Inductor compiles the result (see :func:`insert_note`).
+    ``inductor``: Inductor compiles the result (see :func:`insert_note`). ``measured``:
+    figures measured at run time that replace the cost model's (a re-plan, ``fxckpt.adapt``).
     """
     kwargs["num_fwd_outputs"] = num_fwd_outputs
     # min-cut deduplicates the joint graph first; fxckpt runs min-cut two or more times, so
@@ -191,7 +193,7 @@ def partition(
         )
         part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
     with step(graph_name, "assumptions"):
-        assumed = assumptions(options, device)  # probes run once per device and process
+        assumed = assumptions(options, device, measured)  # probes run once per device
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
     plan_at = functools.partial(

@@ -30,7 +30,7 @@ import torch
 
 from fxckpt import _cuda
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import stats
+from fxckpt.runtime import copy_meter, stats
 from fxckpt.runtime.engine import Transfer, _config, _copy_plan, _injected
 from fxckpt.runtime.pool import Completion
 
@@ -51,9 +51,10 @@ class CudaEngine:
         self._lock = threading.Lock()
         self._turn = [0, 0]
         # Timing event pairs not read yet: (start, end) of each copy, and (reached, released)
-        # around each compute-side wait. Each deque holds pairs of one stream kind, which
-        # complete in order, so reading stops at the first pair still in flight.
-        self._timed: dict[str, deque[tuple[Any, Any]]] = {
+        # around each compute-side wait, each with the graph's copy meter and the bytes
+        # copied. Each deque holds pairs of one stream kind, which complete in order, so
+        # reading stops at the first pair still in flight.
+        self._timed: dict[str, deque[tuple[Any, Any, Any, int]]] = {
             "copy_seconds": deque(),
             "stall_seconds": deque(),
         }
@@ -90,12 +91,12 @@ class CudaEngine:
         # it earlier would let the allocator hand its block to a kernel while the copy reads.
         rec.d2h = done
         rec.src_stream = compute
-        self._timed["copy_seconds"].append((start, done))
+        self._timed["copy_seconds"].append((start, done, rec.meter, rec.nbytes))
         stats.add("copy_handoffs", 1)
 
     def finish_offload(self, rec: Transfer) -> float:
         if not _config.unsafe_skip_waits:
-            self._join(_cuda.CUDA.current_stream(self.device), rec.d2h)
+            self._join(_cuda.CUDA.current_stream(self.device), rec.d2h, rec.meter)
         rec.src = None
         if rec.error is not None:
             raise RuntimeCopyError(f"fxckpt: offload of {rec.describe()} failed: {rec.error}")
@@ -136,7 +137,7 @@ class CudaEngine:
         rec.h2d = done
         rec.dev = devs
         rec.dev_stream = compute
-        self._timed["copy_seconds"].append((start, done))
+        self._timed["copy_seconds"].append((start, done, rec.meter, rec.nbytes))
         stats.add("copy_handoffs", 1)
 
     def finish_prefetch(self, rec: Transfer) -> tuple[list[torch.Tensor], float]:
@@ -145,7 +146,7 @@ class CudaEngine:
         assert devs is not None
         compute = cuda.current_stream(self.device)
         if not _config.unsafe_skip_waits:
-            self._join(compute, rec.h2d)
+            self._join(compute, rec.h2d, rec.meter)
         if compute != rec.dev_stream:
             for dev in devs:  # allocated on another stream: tell the allocator
                 cuda.record_stream(dev, compute)
@@ -185,7 +186,7 @@ class CudaEngine:
         # The host buffer is given back when this returns (disk.py, rule R2), and compute
         # takes the span without another wait: both need the copy complete now.
         done.synchronize()
-        self._timed["copy_seconds"].append((start, done))
+        self._timed["copy_seconds"].append((start, done, None, rec.nbytes))
         return dev
 
     def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
@@ -205,7 +206,7 @@ class CudaEngine:
         rec.dev = rec.src = None
         return tuple(e.query for e in (rec.d2h, rec.h2d) if e is not None)
 
-    def _join(self, compute: Any, copied: Any) -> None:
+    def _join(self, compute: Any, copied: Any, meter: Any = None) -> None:
         """``compute.wait_event(copied)``, timed when the copy may still be running.
 
         The pair of timing events brackets the wait on the compute stream: the time between
@@ -220,7 +221,7 @@ class CudaEngine:
         reached.record(compute)
         compute.wait_event(copied)
         released.record(compute)
-        self._timed["stall_seconds"].append((reached, released))
+        self._timed["stall_seconds"].append((reached, released, meter, 0))
 
     def read_timings(self) -> None:
         """Count the copy and stall times whose events have completed; never blocks."""
@@ -230,8 +231,13 @@ class CudaEngine:
             for name, pairs in self._timed.items():
                 total = 0.0
                 while pairs and pairs[0][1].query():
-                    first, last = pairs.popleft()
-                    total += first.elapsed_time(last) / 1e3
+                    first, last, meter, nbytes = pairs.popleft()
+                    seconds = first.elapsed_time(last) / 1e3
+                    total += seconds
+                    if name == "copy_seconds":
+                        copy_meter.add_copy(meter, nbytes, seconds)
+                    else:
+                        copy_meter.add_stall(meter, seconds)
                 if total:
                     stats.add(name, total)
         finally:

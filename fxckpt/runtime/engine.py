@@ -24,7 +24,7 @@ import torch
 
 from fxckpt import _link
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import stats
+from fxckpt.runtime import copy_meter, stats
 from fxckpt.runtime.pool import Completion
 
 
@@ -63,6 +63,8 @@ class Transfer:
     # The runtime profile (profiles.Profile) of the graph that started the transfer: its
     # engine, host pool and disk folder serve every later op on this handle.
     profile: Any = None
+    # The copy meter (runtime.copy_meter) of the compiled graph whose forward started it.
+    meter: Any = None
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -222,6 +224,7 @@ class CpuEngine:
         window = link.occupy("d2h", nbytes) if link is not None else None
         if window is not None:
             rec.d2h_end = window[1]
+        meter = rec.meter
 
         def move() -> None:
             while tensors:
@@ -238,9 +241,11 @@ class CpuEngine:
                 raise RuntimeError(_injected("device-to-host"))
             if link is None or window is None:
                 move()
-                stats.add("copy_seconds", time.perf_counter() - started)
+                took = time.perf_counter() - started
             else:
-                stats.add("copy_seconds", link.run_window("d2h", nbytes, move, *window))
+                took = link.run_window("d2h", nbytes, move, *window)
+            stats.add("copy_seconds", took)
+            copy_meter.add_copy(meter, nbytes, took)
 
         stats.add("copy_handoffs", 1)
         rec.d2h = self._executors()[0].submit(copy)
@@ -265,6 +270,7 @@ class CpuEngine:
         # Queued behind the copies before it on the H2D queue, and not before the bytes have
         # reached the host (the D2H window's end).
         window = link.occupy("h2d", nbytes, rec.d2h_end) if link is not None else None
+        meter = rec.meter
 
         def move() -> None:
             while tensors:
@@ -292,9 +298,11 @@ class CpuEngine:
                 raise RuntimeError(_injected("host-to-device"))
             if link is None or window is None:
                 move()
-                stats.add("copy_seconds", time.perf_counter() - started)
+                took = time.perf_counter() - started
             else:
-                stats.add("copy_seconds", link.run_window("h2d", nbytes, move, *window))
+                took = link.run_window("h2d", nbytes, move, *window)
+            stats.add("copy_seconds", took)
+            copy_meter.add_copy(meter, nbytes, took)
 
         stats.add("copy_handoffs", 1)
         rec.h2d = self._executors()[1].submit(copy)

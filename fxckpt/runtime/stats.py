@@ -13,6 +13,13 @@ Neither is a measurement of device memory: ``fxckpt.measure`` is (it never reads
 
 Per graph, ``graphs[name]`` holds the figures of its latest forward; the top-level
 ``planned_*`` figures add up the graphs, so with graph breaks they cover the whole step.
+Measured per graph since the last reset (:mod:`fxckpt.runtime.copy_meter`), over every step:
+``exposed_copy_seconds`` (how long compute waited for its host copies), ``copy_seconds`` and
+``copied_bytes`` (both directions), and ``measured_bandwidth_bytes_per_s`` (bytes over copy
+seconds; None before a copy). ``replans`` counts the graphs fxckpt re-planned from such
+measurements (:mod:`fxckpt.adapt`); ``link_probes`` the timed round trips it ran for plans
+whose copies were too few to measure the link (per graph: ``link_probes`` and
+``probed_bandwidth_bytes_per_s``, under the name of the plan that ran then).
 
 Every figure lives here, behind one lock, so that :func:`snapshot` is consistent. The pool
 reports its own figures through :func:`pool_resized` and :func:`add`.
@@ -26,6 +33,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from fxckpt.runtime import copy_meter
 
 _COUNTERS = (
     "offloaded_bytes",
@@ -43,6 +52,8 @@ _COUNTERS = (
     "disk_write_seconds",
     "disk_read_seconds",
     "disk_fallbacks",
+    "replans",
+    "link_probes",
 )
 _SECONDS = ("stall_seconds", "copy_seconds", "disk_write_seconds", "disk_read_seconds")
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone; so do
@@ -62,6 +73,8 @@ _resetters: list[Callable[[], None]] = []
 # A dict is an insertion-ordered set: membership costs one hash, and the payload string is
 # the same constant object at every call of a compiled graph, so its hash is cached.
 _plans: dict[str, None] = {}
+# Each copy meter's totals at the last reset: the graphs' figures count from there.
+_meter_base: dict[copy_meter.CopyMeter, copy_meter.CopyTotals] = {}
 
 
 class BudgetOverrunWarning(UserWarning):
@@ -83,6 +96,14 @@ class GraphFigures:
     # Measured (fxckpt.residency), not planned: what the first training call left saved for
     # the backward on the device, graph inputs left out. None until measured.
     held_bytes: int | None = None
+    # Measured by the copy meter, over every step since the last reset.
+    exposed_copy_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    copied_bytes: int = 0
+    measured_bandwidth_bytes_per_s: float | None = None
+    # A link probe's (fxckpt.runtime.link_probe), run between two of this plan's steps.
+    link_probes: int = 0
+    probed_bandwidth_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,15 @@ def record_offload(nbytes: int) -> None:
     with _lock:
         _values["offload_calls"] += 1
         _values["offloaded_bytes"] += nbytes
+
+
+def record_probe(name: str, bandwidth: float | None) -> None:
+    """A link probe ran for the graph whose plan is ``name``, and measured ``bandwidth``."""
+    with _lock:
+        _values["link_probes"] += 1
+        fig = _graphs.setdefault(name, GraphFigures())
+        fig.link_probes += 1
+        fig.probed_bandwidth_bytes_per_s = bandwidth
 
 
 def record_fallback(nbytes: int) -> None:
@@ -168,6 +198,7 @@ def note_forward(
     offloads since the previous note."""
     add_plan_payload(payload)
     facts = _plan_facts(payload)
+    copy_meter.noted(facts.name, payload)
     offloaded, fallback = _pending.offloaded, _pending.fallback
     _pending.offloaded = _pending.fallback = 0
     _pending.note = (payload, kept_bytes, frozenset(kept))
@@ -307,11 +338,37 @@ def snapshot() -> dict[str, Any]:
         out["pool_high_water_bytes"] = _high_water
         out["host_high_water_bytes"] = _high_water
         graphs = {name: asdict(fig) for name, fig in _graphs.items()}
+    _add_copy_figures(graphs)
     out["graphs"] = graphs
     out["planned_kept_bytes"] = sum(g["planned_kept_bytes"] for g in graphs.values())
     peaks = [g["planned_peak_bytes"] for g in graphs.values() if g["planned_peak_bytes"] is not None]
     out["planned_peak_bytes"] = sum(peaks) if peaks else None
     return out
+
+
+def _add_copy_figures(graphs: dict[str, dict[str, Any]]) -> None:
+    sums: dict[str, copy_meter.CopyTotals] = {}
+    for meter in copy_meter.meters():
+        if meter.name is None:
+            continue
+        now = meter.read()
+        base = _meter_base.get(meter)
+        since = now if base is None else now.minus(base)
+        if meter.name not in graphs and not (since.copies or since.stall_seconds):
+            continue  # a graph that has not run since the reset
+        total = sums.setdefault(meter.name, copy_meter.CopyTotals())
+        total.stall_seconds += since.stall_seconds
+        total.copy_seconds += since.copy_seconds
+        total.copied_bytes += since.copied_bytes
+        total.copies += since.copies
+    for name, t in sums.items():
+        fig = graphs.setdefault(name, asdict(GraphFigures()))
+        fig["exposed_copy_seconds"] = t.stall_seconds
+        fig["copy_seconds"] = t.copy_seconds
+        fig["copied_bytes"] = t.copied_bytes
+        fig["measured_bandwidth_bytes_per_s"] = (
+            t.copied_bytes / t.copy_seconds if t.copy_seconds > 0 and t.copied_bytes else None
+        )
 
 
 def reset() -> None:
@@ -331,5 +388,7 @@ def reset() -> None:
         _graphs.clear()
         _warned_overrun.clear()
         _warned_held.clear()
+    _meter_base.clear()
+    _meter_base.update({m: m.read() for m in copy_meter.meters()})
     _pending.offloaded = _pending.fallback = 0
     _pending.note = None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import disk, stats
+from fxckpt.runtime import copy_meter, disk, stats
 from fxckpt.runtime.engine import Transfer
 from fxckpt.runtime.pool import PoolExhausted, warn_fallback
 from fxckpt.runtime.staging import staging_of
@@ -73,6 +73,7 @@ def to_host(rec: Transfer, src: Any, spans: list[torch.Tensor]) -> None:
         return
     rec.host = host
     rec.src = src
+    rec.meter = copy_meter.active()
     try:
         copies = [(s.view(torch.uint8), h) for s, h in zip(spans, rec.host_views(host), strict=True)]
         rec.profile.engine(device).start_offload(rec, copies)
@@ -90,6 +91,7 @@ def join(rec: Transfer) -> None:
         stalled = rec.profile.engine(rec.device).finish_offload(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
+            copy_meter.add_stall(rec.meter, stalled)  # None for the disk tier's transfers
 
 
 def token() -> torch.Tensor:
@@ -123,6 +125,7 @@ def restore(rec: Transfer) -> list[torch.Tensor]:
             spans = [span]
         else:
             spans, stalled = rec.profile.engine(rec.device).finish_prefetch(rec)
+            copy_meter.add_stall(rec.meter, stalled)
         if stalled:
             stats.add("stall_seconds", stalled)
         return spans

@@ -295,3 +295,22 @@ def test_a_reset_drains_the_timings_still_in_flight_so_they_do_not_land_in_the_n
     hw.kernel("consumer", reads=[got])
     hw.advance(100.0)
     assert stats.snapshot()["copy_seconds"] == pytest.approx(0.005)
+
+
+def test_a_graphs_copy_meter_gets_the_event_timed_copies_and_stalls(hw):
+    from fxckpt.runtime import copy_meter
+
+    hw.bandwidth["cpu"] = 1024 / 5.0  # 1 KiB copies take 5 ms
+    meter = copy_meter.CopyMeter()
+    with copy_meter.running(meter):  # the forward of the graph the meter belongs to
+        src = produce(hw)
+        h = OPS.offload(src)
+        hw.kernel("forward rest", ms=2.0)
+        OPS.offload_done(h, src)  # compute idles 3 ms
+    got = restore(h, src)  # the backward, outside the forward: still the graph's transfer
+    hw.kernel("consumer", reads=[got])
+    hw.advance(100.0)
+    stats.snapshot()  # reads the completed events
+    t = meter.read()
+    assert t.copy_seconds == pytest.approx(0.010) and t.copied_bytes == 2 * 1024
+    assert t.stall_seconds == pytest.approx(0.003 + 0.005)

@@ -109,6 +109,8 @@ def test_snapshot_has_every_documented_figure():
         "disk_read_seconds",
         "disk_fallbacks",
         "disk_files",
+        "replans",
+        "link_probes",
     }
 
 
