@@ -46,6 +46,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": [None, 0],
         "blocks": [3, ["layers"], b"layers"],
         "block_index": ["0", 1.0, True, [0]],
+        "adapt": [1, None, True],
     },
     "out of range": {
         "memory_budget": [0, -1, 0.0, -0.5, 1.5, 12e9, "0B", "-5GB", "1.5B", "1e999", "lots", ""],
@@ -66,6 +67,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": ["ignore", "Raise"],
         "blocks": ["(", "layers[", "*", ""],
         "block_index": [-1, -8],
+        "adapt": ["sometimes", "Auto", ""],
     },
     "NaN or infinite": {
         "memory_budget": [NAN, INF, -INF],
@@ -86,6 +88,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": [NAN],
         "blocks": [NAN],
         "block_index": [NAN, INF],
+        "adapt": [NAN],
     },
     "unknown unit": {
         "memory_budget": ["12 XB", "12 GiBs", "12G", "12 parsecs"],
@@ -106,6 +109,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": None,
         "blocks": None,
         "block_index": None,
+        "adapt": None,
     },
 }
 
