@@ -578,3 +578,70 @@ def shape_guard_count(fake_mode: Any) -> int:
     """How many guards the shape environment of ``fake_mode`` holds (0 without one)."""
     env = getattr(fake_mode, "shape_env", None)
     return 0 if env is None else len(env.guards)
+
+
+def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's per-graph compiler (a forward or a backward), the FX graph cache included."""
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner(gm, example_inputs, **kwargs)
+
+
+def fx_graph_cache_key(compiled: Any) -> str | None:
+    """The FX graph cache's key of one graph Inductor compiled (set on a hit and a miss)."""
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    return key if isinstance(key, str) else None
+
+
+def post_fusion_hook(fn: Any) -> dict[str, Any]:
+    """The Inductor setting that calls ``fn(nodes)`` once its scheduler has fused a graph
+    (``_post_fusion_custom_pass``, 2.11 to 2.15); empty where the user set one already."""
+    from torch._inductor import config
+
+    if getattr(config, "_post_fusion_custom_pass", fn) is not None:
+        return {}
+    return {"_post_fusion_custom_pass": fn}
+
+
+def inductor_graph() -> Any:
+    """The graph Inductor is lowering now (its ``GraphLowering``), from a scheduler pass."""
+    from torch._inductor.virtualized import V
+
+    return V.graph
+
+
+def inductor_buffer_timeline(graph: Any) -> tuple[int, list[tuple[str, bool, int, int, int, int]], dict[str, str]]:
+    """Inductor's own memory facts of a graph it has generated code for, in its final order.
+
+    ``(steps, rows, reuses)``: one row per buffer, ``(name, is a graph input, bytes allocated,
+    bytes freed, first step, last step)`` (last step -1: a graph output), as Inductor's
+    peak-memory pass reads them (``torch._inductor.memory``: ``prepare_planning_info``,
+    ``compute_memory_timeline``; inputs named as parameters or tangents are never freeable
+    there); ``reuses``: outputs the generated code writes into a dying input's buffer
+    (``wrapper_code.reuses``), which then allocate nothing.
+    """
+    from torch._inductor import memory
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    sched = graph.scheduler
+    with V.set_graph_handler(graph):
+        outputs = OrderedSet(graph.get_output_names())
+        _, freeable = memory.prepare_planning_info(
+            sched.nodes, sched.name_to_buf, sched.name_to_fused_node,
+            OrderedSet(graph.graph_inputs.keys()), outputs,
+        )
+        infos, _, _ = memory.compute_memory_timeline(sched.nodes, freeable, outputs)
+    rows = [
+        (b.buffer.get_name(), isinstance(b.buffer, memory.FreeableInputBuffer), int(b.size_alloc),
+         int(b.size_free), int(b.start_step), int(b.end_step))
+        for b in infos
+    ]
+    return len(sched.nodes), rows, {str(k): str(v) for k, v in graph.wrapper_code.reuses.items()}
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())

@@ -212,8 +212,14 @@ def compile_partitioned(
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     else:
+        from fxckpt.graph import inductor_peak
+
         patches = inductor_patches(partitioner, mode)
-        compiled = compat.compile_fx(gm, example_inputs, config_patches=patches)
+        with inductor_peak.capturing() as inner:
+            compiled = compat.compile_fx(
+                gm, example_inputs, inner_compile=inner,
+                config_patches={**patches, **compat.post_fusion_hook(inductor_peak.record_scheduled)},
+            )
     # What the first training step really holds for the backward, against the plan.
     return compiled if offline else residency.checked(compiled)
 

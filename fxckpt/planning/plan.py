@@ -143,6 +143,9 @@ class Plan:
     # The whole training step's peak, predicted from the rewritten graphs' liveness
     # (graph.liveness.step_peak_bytes): saved, recomputed, restored and every other tensor.
     predicted_step_peak_bytes: int | None = None
+    # What that prediction read: "fx liveness" (the graphs' nodes, exact op by op) or
+    # "inductor schedule" (Inductor's buffers in its final order, graph.inductor_peak).
+    step_peak_source: str | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -195,6 +198,7 @@ class Plan:
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
             "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
+            "step_peak_source": self.step_peak_source,
         }
 
     @staticmethod
@@ -211,6 +215,7 @@ class Plan:
             timeline=d.get("timeline"),
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
             predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
+            step_peak_source=d.get("step_peak_source"),
         )
 
     def summary(self) -> str:
