@@ -62,8 +62,11 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
     into the FX-graph-cache key.
     """
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, step_token: str = "") -> None:
         self.options = options
+        # Under a step budget a graph's plan also depends on what the graphs before it hold
+        # (passes.step_budget): the token says so, and so keys the compile cache.
+        self.step_token = step_token
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -72,11 +75,14 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
 
         compiler = kwargs.pop("compiler", None)  # Inductor passes "inductor"; aot_autograd nothing
         num_fwd_outputs = kwargs.pop("num_fwd_outputs")
+        from fxckpt.passes import step_budget
+
+        ticket = step_budget.current()
         return partition(
             gm,
             joint_inputs,
             self.options,
-            graph_name=_graph_name(),
+            graph_name=(ticket.name if ticket is not None else None) or _graph_name(),
             num_fwd_outputs=num_fwd_outputs,
             record=record_plan,
             inductor=compiler == "inductor",
@@ -86,16 +92,18 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
     def uuid(self) -> str:
         from fxckpt import __version__
 
-        return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self.options.cache_key()}"
+        key = f"fxckpt-{__version__}-{_source_hash()[:16]}-{self.options.cache_key()}"
+        return f"{key}-{self.step_token}" if self.step_token else key
 
     def __eq__(self, other: object) -> bool:
         # By cache key, not Options equality: which options were set explicitly changes plans.
         return isinstance(other, FxckptPartitioner) and (
             self.options.cache_key() == other.options.cache_key()
+            and self.step_token == other.step_token
         )
 
     def __hash__(self) -> int:
-        return hash(self.options.cache_key())
+        return hash((self.options.cache_key(), self.step_token))
 
 
 def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
@@ -149,10 +157,34 @@ def compile_graph(
     """Compile one dynamo graph with fxckpt's partitioner and the chosen code generator.
 
     ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
+    Under ``budget_scope="step"`` the graph is one of its step's
+    (:mod:`fxckpt.passes.step_budget`), which gives it its share of ``memory_budget``.
     """
     if not offline:
         configure_runtime(options)
-    partitioner = FxckptPartitioner(options)
+    from fxckpt.passes import step_budget
+
+    if step_budget.applies(options):
+        step = step_budget.step_for(options)
+        return step.compile(
+            step_budget.graph_key(), None, gm, example_inputs,
+            lambda g, inputs: _compile_graph(g, inputs, options, mode, offline=offline),
+        )  # fmt: skip
+    return _compile_graph(gm, example_inputs, options, mode, offline=offline)
+
+
+def _compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options,
+    mode: str | None,
+    *,
+    offline: bool,
+) -> Any:
+    from fxckpt.passes import step_budget
+
+    ticket = step_budget.current()
+    partitioner = FxckptPartitioner(options, ticket.cache_token() if ticket is not None else "")
     if options.compiler == "eager":
         if mode not in (None, "default"):
             raise OptionsError(
@@ -169,7 +201,9 @@ def compile_graph(
         patches = inductor_patches(partitioner, mode)
         compiled = compat.compile_fx(gm, example_inputs, config_patches=patches)
     # What the first training step really holds for the backward, against the plan.
-    return compiled if offline else residency.checked(compiled)
+    if offline:
+        return compiled
+    return residency.checked(compiled, on_plan=ticket.reported if ticket is not None else None)
 
 
 def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:

@@ -68,6 +68,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cost_model": ("flops", "profile", "unit"),
     "compiler": ("inductor", "eager"),
     "on_infeasible": ("raise", "warn"),
+    "budget_scope": ("step", "graph"),
 }
 
 
@@ -244,6 +245,9 @@ class Options:
     cost_model: str = "flops"
     compiler: str = "inductor"
     on_infeasible: str = "raise"
+    # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
+    # gets a share, passes.step_budget); "graph": every graph on its own, as before.
+    budget_scope: str = "step"
     blocks: str | None = None
     block_index: int | None = None
 

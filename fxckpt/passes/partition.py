@@ -56,6 +56,7 @@ from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, set
 from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
+from fxckpt.passes import step_budget
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
 from fxckpt.planning.layouts import NONE, Layout
 from fxckpt.planning.plan import Plan, describe_assumptions
@@ -192,6 +193,9 @@ def partition(
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
     device = device_of(base_fw)
     budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
+    ticket = step_budget.current()  # one graph of a step: its share of the step's budget
+    if ticket is not None and budget is not None:
+        budget = ticket.share(bytes_per_storage(baseline))
     report = SegmentReport({}, 0, 0, 0)
     if stride > 0:
         with step(graph_name, "segment"):
@@ -243,8 +247,12 @@ def partition(
     peak = plan_timeline = None
     solution_ms = 0.0
     if decision is not None:
-        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes)
+        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes,
+                          step=ticket is not None)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
+        if ticket is not None:
+            ticket.planned(peak, reached=solution.feasible)
+            notes += ticket.notes()
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")

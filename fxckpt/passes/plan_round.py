@@ -264,13 +264,14 @@ def block_facts(
 
 def settle(
     decision: RoundDecision, saved: list[SavedActivation], options: Options, budget: int | None,
-    graph_name: str, *, sizes: str = "",
+    graph_name: str, *, sizes: str = "", step: bool = False,
 ) -> Solution:
     """What follows the last round: an unmet budget raises (or warns), naming
     ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
-    and one warning says what the host budget moved."""
+    and one warning says what the host budget moved. ``step``: the budget is the graph's
+    share of a step's, and the step (:mod:`fxckpt.passes.step_budget`) judges a miss."""
     solution = decision.solution
-    if budget is not None and not solution.feasible:
+    if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,
                    sizes=sizes)  # fmt: skip
     warn_host_short(graph_name, decision.host)

@@ -1,0 +1,325 @@
+"""One memory budget for the step: every graph of one ``torch.compile`` call gets a share.
+
+Autograd holds each graph's saved tensors until that graph's backward runs, so what a step
+holds for its backward is the sum over its graphs: dynamo's graph breaks, a loss after a
+break, the regions of Hugging Face's gradient checkpointing, an MoE's routing. That sum is
+what ``memory_budget`` bounds under ``budget_scope="step"`` (a fraction: of the graphs'
+summed baselines; bytes: the step's bytes).
+
+Graphs compile one at a time, in forward order (dynamo compiles a graph, runs it, then meets
+the next one), so no graph knows what follows it. Graph ``k``'s share is what the step's
+budget leaves once the graphs before it hold what they planned:
+
+    share_k = f * (b_1 + ... + b_k) - (r_1 + ... + r_{k-1})     (a fraction f)
+    share_k = B - (r_1 + ... + r_{k-1})                          (bytes B)
+
+``b_i`` is graph ``i``'s baseline, ``r_i`` the resident peak its plan reaches. What an earlier
+graph left unused carries into the next share, and so does what it could not give up (a
+share shrinks). A byte budget is thus split by the graphs as they come: the first takes what
+it needs, the rest is left to the others.
+
+Where a graph cannot reach its share, the step holds a debt. The earlier graphs are then
+re-planned to give it back, each compiled again for a smaller budget from the same graph
+module (on fake tensors), largest holder first, at most ``MAX_REPLANS`` compiles per step;
+the next step runs the new plans (the step that compiled them had already run the old ones).
+A debt left after that is no error yet under a fraction: a later graph may still have room
+(an MoE's small routing graph comes before the experts). The verdict waits for the step's
+backward, which starts only once the whole forward has run: there a debt raises
+:class:`~fxckpt.errors.BudgetError` (or warns, with ``on_infeasible="warn"``) naming the
+step's smallest figure. Under a byte budget later graphs only add, so a debt raises at once.
+
+A recompile of a graph that already had a share (a new shape, say) replaces its own entry.
+The state lives with the ``torch.compile`` call (keyed weakly by the compiler object dynamo
+holds for it), never process-wide: a second model or an EMA copy has steps of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxckpt import _torch_compat as compat
+from fxckpt.errors import BudgetError
+from fxckpt.options import Options
+
+# Compiles a step may spend re-planning earlier graphs, all graphs together.
+MAX_REPLANS = 8
+
+Compile = Callable[[Any, Sequence[Any]], Any]
+
+
+@dataclasses.dataclass
+class Graph:
+    """One graph of the step: what it was given and what its plan holds."""
+
+    name: str
+    baseline: int = 0
+    share: int = 0
+    carried: int = 0  # what the graphs before it left over (negative: what they overran)
+    resident: int = 0
+    floor: bool = False  # its plan is the smallest the planner reaches (it missed its share)
+    known: bool = False  # planned in this process, or its plan reported by its first run
+    recompile: Callable[[int], None] | None = None
+
+
+class StepBudget:
+    """The graphs of one step, in forward order, and the budget they share."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.graphs: dict[object, Graph] = {}
+        self.replans = 0
+        self.verdict_given = False
+
+    # -- figures -------------------------------------------------------------------------
+    def total(self, extra_baseline: int = 0, skip: object = None) -> int:
+        """The step's budget in bytes, with ``extra_baseline`` for a graph not entered yet."""
+        budget = self.options.memory_budget
+        if isinstance(budget, float):
+            base = sum(g.baseline for k, g in self.graphs.items() if k != skip)
+            return int(budget * (base + extra_baseline))
+        assert isinstance(budget, int)
+        return budget
+
+    def held(self, skip: object = None) -> int:
+        return sum(g.resident for k, g in self.graphs.items() if k != skip)
+
+    @property
+    def debt(self) -> int:
+        return max(0, self.held() - self.total())
+
+    def smallest(self) -> int:
+        """What the step holds when every graph that missed its share is at its floor: the
+        smallest figure the planner showed it can reach (re-plans included)."""
+        return self.held()
+
+    def available(self, key: object) -> int:
+        """What the graphs before ``key`` leave of the step's budget, before ``key``'s own
+        fraction is added (the share's part that does not depend on its baseline)."""
+        before = self._before(key)
+        budget = self.options.memory_budget
+        held = sum(g.resident for g in before)
+        if isinstance(budget, float):
+            return int(budget * sum(g.baseline for g in before)) - held
+        assert isinstance(budget, int)
+        return budget - held
+
+    def _before(self, key: object) -> list[Graph]:
+        out = []
+        for k, g in self.graphs.items():
+            if k == key:
+                break
+            out.append(g)
+        return out
+
+    # -- compiling -----------------------------------------------------------------------
+    def compile(self, key: object, name: str | None, gm: Any, example_inputs: Sequence[Any],
+                compile_fn: Compile) -> Any:
+        """Compile one graph of the step under its share; returns what dynamo calls."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = Graph(name or "")
+        else:  # a recompile (a new shape, say) replaces the graph's own entry
+            entry.known = entry.floor = False
+        self.verdict_given = False
+        fakes = _fakes(example_inputs)
+        holder: list[Any] = []
+
+        def build(fixed: int | None, inputs: Sequence[Any]) -> Any:
+            ticket = Ticket(self, key, entry.name or None, fixed)
+            with _active(ticket):
+                compiled = compile_fn(gm, inputs)
+            if not entry.known and entry.name == "":
+                entry.name = ticket.name or ""
+            return compiled
+
+        holder.append(build(None, example_inputs))
+
+        def recompile(budget: int) -> None:
+            with compat.no_tracing_context():
+                holder[0] = build(budget, fakes)
+
+        entry.recompile = recompile if fakes is not None else None
+        run = self._runner(holder, key)
+        if entry.known and entry.floor:
+            self._settle(key)
+        return run
+
+    def _runner(self, holder: list[Any], key: object) -> Any:
+        first = holder[0]
+
+        @functools.wraps(first)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = holder[0](*args, **kwargs)
+            if self.debt > 0 and not self.verdict_given and torch.is_grad_enabled():
+                self._arm_verdict(out)
+            return out
+
+        return run
+
+    def _settle(self, key: object) -> None:
+        """Graph ``key`` missed its share: give the debt back from earlier graphs, re-planned."""
+        graph = self.graphs[key]
+        order = sorted(
+            (g for k, g in self.graphs.items() if k != key and g.known and not g.floor),
+            key=lambda g: g.resident, reverse=True,
+        )  # fmt: skip
+        for g in order:
+            if self.debt <= 0 or self.replans >= MAX_REPLANS or g.recompile is None:
+                continue
+            self.replans += 1
+            g.recompile(max(1, g.resident - self.debt))
+        if self.debt > 0 and not isinstance(self.options.memory_budget, float):
+            # Later graphs only add to a byte budget's step: it cannot be met.
+            self.verdict(graph.name)
+
+    def _arm_verdict(self, out: Any) -> None:
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._verdict_hook)
+                return
+
+    def _verdict_hook(self, grad: torch.Tensor) -> None:
+        if not self.verdict_given and self.debt > 0:
+            self.verdict(None)
+
+    def verdict(self, graph: str | None) -> None:
+        """Raise (or warn) that the step cannot meet its budget, naming its smallest figure."""
+        self.verdict_given = True
+        names = [g.name for g in self.graphs.values()]
+        parts = ", ".join(f"{g.name}={g.resident}" for g in self.graphs.values())
+        error = BudgetError(
+            f"the step ({len(names)} graphs: {', '.join(names)})", self.total(), self.smallest(),
+            [], scope="step", detail=f"per graph: {parts}",
+        )  # fmt: skip
+        if self.options.on_infeasible == "raise":
+            raise error
+        warnings.warn(f"{error.summary} Running the smallest plans instead.", stacklevel=2)
+
+
+class Ticket:
+    """One compile of one graph under a step budget: asks for the share, reports the plan."""
+
+    def __init__(self, step: StepBudget, key: object, name: str | None, fixed: int | None) -> None:
+        self.step, self.key, self.name, self.fixed = step, key, name, fixed
+
+    def cache_token(self) -> str:
+        """What the plan depends on besides the graph and the options (compile-cache keys)."""
+        if self.fixed is not None:
+            return f"step-fixed-{self.fixed}"
+        return f"step-available-{self.step.available(self.key)}"
+
+    def share(self, baseline: int) -> int:
+        """The budget of this graph, whose baseline min-cut saves ``baseline`` bytes."""
+        step, entry = self.step, self.step.graphs[self.key]
+        entry.baseline = baseline
+        available = step.available(self.key)
+        budget = step.options.memory_budget
+        own = int(budget * baseline) if isinstance(budget, float) else 0
+        share = self.fixed if self.fixed is not None else available + own
+        if self.fixed is None:  # bytes: what the graphs before it hold comes off the share
+            entry.carried = available if isinstance(budget, float) else available - step.total()
+        entry.share = max(1, share)
+        return entry.share
+
+    def planned(self, resident: int, *, reached: bool) -> None:
+        entry = self.step.graphs[self.key]
+        entry.resident, entry.floor, entry.known = resident, not reached, True
+
+    def reported(self, payload: str) -> None:
+        """The plan a graph's first run reports: where a warm compile cache served the graph,
+        no partition ran in this process, and this is how the step learns what it holds."""
+        entry = self.step.graphs.get(self.key)
+        if entry is None or entry.known:
+            return
+        plan = json.loads(payload)
+        entry.baseline = int(plan.get("baseline_saved_bytes") or 0)
+        entry.resident = int(plan.get("resident_peak_bytes") or 0)
+        entry.share = int(plan.get("budget_bytes") or 0)
+        entry.floor = entry.resident > entry.share
+        entry.known = True
+
+    def notes(self) -> list[str]:
+        entry = self.step.graphs[self.key]
+        budget = self.step.options.memory_budget
+        if self.fixed is not None:
+            return [
+                f"step budget: re-planned to {entry.share} bytes, so that a later graph's "
+                "share fits the step"
+            ]
+        own = f"{budget} of its baseline {entry.baseline}" if isinstance(budget, float) else ""
+        carried = (
+            f"{entry.carried:+d} bytes carried from earlier graphs" if entry.carried else
+            "nothing carried from earlier graphs"
+        )
+        text = f"step budget: share {entry.share} bytes ({own}{', ' if own else ''}{carried})"
+        if budget is not None and not isinstance(budget, float):
+            text = f"step budget: share {entry.share} bytes of {budget} ({carried})"
+        return [text]
+
+
+_current: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
+    "fxckpt_step_ticket", default=None
+)
+
+
+def current() -> Ticket | None:
+    """The ticket of the graph being partitioned, or ``None`` under a per-graph budget."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def _active(ticket: Ticket) -> Iterator[None]:
+    token = _current.set(ticket)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _fakes(example_inputs: Sequence[Any]) -> list[Any] | None:
+    """Fake copies of a graph's inputs, for re-planning it later without holding real tensors;
+    ``None`` where no fake mode traced it (then the graph is not re-planned)."""
+    mode = compat.detect_fake_mode(example_inputs)
+    if mode is None:
+        return None
+    return [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+
+_steps: weakref.WeakKeyDictionary[Any, StepBudget] = weakref.WeakKeyDictionary()
+
+
+def applies(options: Options) -> bool:
+    """Whether a step budget shares ``options.memory_budget`` among graphs: the step scope,
+    with a budget in bytes or a fraction (``"auto"`` is what is free when each graph
+    compiles, which already leaves out what the graphs before it hold)."""
+    budget = options.memory_budget
+    return options.budget_scope == "step" and isinstance(budget, (int, float))
+
+
+def step_for(options: Options) -> StepBudget:
+    """The step of the ``torch.compile`` call compiling now (a step of its own outside one)."""
+    owner = compat.compile_call_owner()
+    if owner is None:
+        return StepBudget(options)
+    step = _steps.get(owner)
+    if step is None or step.options.cache_key() != options.cache_key():
+        step = _steps[owner] = StepBudget(options)
+    return step
+
+
+def graph_key() -> object:
+    """Which graph of the step compiles now: dynamo's frame, so that a recompile of the frame
+    replaces its own entry."""
+    compile_id = compat.current_compile_id()
+    return object() if compile_id is None else compile_id.frame_id
