@@ -195,7 +195,8 @@ def partition(
     budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
     ticket = step_budget.current()  # one graph of a step: its share of the step's budget
     if ticket is not None and budget is not None:
-        budget = ticket.share(bytes_per_storage(baseline))
+        inputs = step_budget.saved_inputs(base_fw, num_fwd_outputs, ticket.produced)
+        budget = ticket.share(bytes_per_storage(baseline), graph_name, inputs)
     report = SegmentReport({}, 0, 0, 0)
     if stride > 0:
         with step(graph_name, "segment"):
@@ -251,7 +252,8 @@ def partition(
                           step=ticket is not None)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
         if ticket is not None:
-            ticket.planned(peak, reached=solution.feasible)
+            kept = [s.bytes for s, k in zip(decision.storages, solution.choices) if k == "keep"]
+            ticket.planned(peak, sum(kept), reached=solution.feasible)
             notes += ticket.notes()
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:

@@ -7,20 +7,23 @@ what ``memory_budget`` bounds under ``budget_scope="step"`` (a fraction: of the 
 summed baselines; bytes: the step's bytes).
 
 Graphs compile one at a time, in forward order (dynamo compiles a graph, runs it, then meets
-the next one), so no graph knows what follows it. Graph ``k``'s share is what the step's
-budget leaves once the graphs before it hold what they planned:
+the next one), so no graph knows what follows it. While graph ``k`` runs, forward or
+backward, the graphs before it hold what their forwards left (``e_i``: their backwards come
+later) and the graphs after it hold nothing (their forwards come later, their backwards ran
+before). So the step's saved bytes peak at ``max_k (e_1 + ... + e_{k-1} + p_k)``, ``p_k``
+being graph ``k``'s own resident peak, and at the forward's end they are ``e_1 + ... + e_n``.
+Graph ``k``'s share is what the step's budget leaves once the graphs before it hold theirs:
 
-    share_k = f * (b_1 + ... + b_k) - (r_1 + ... + r_{k-1})     (a fraction f)
-    share_k = B - (r_1 + ... + r_{k-1})                          (bytes B)
+    share_k = f * (b_1 + ... + b_k) - (e_1 + ... + e_{k-1})     (a fraction f)
+    share_k = B - (e_1 + ... + e_{k-1})                          (bytes B)
 
-``b_i`` is graph ``i``'s baseline, ``r_i`` the resident peak its plan reaches. What an earlier
-graph left unused carries into the next share, and so does what it could not give up (a
-share shrinks). A byte budget is thus split by the graphs as they come: the first takes what
-it needs, the rest is left to the others.
+``b_i`` is graph ``i``'s baseline. What an earlier graph left unused carries into the next
+share, and so does what it could not give up (a share shrinks). A byte budget is thus split
+by the graphs as they come: the first takes what it needs, the rest is left to the others.
 
-Where a graph cannot reach its share, the step holds a debt. The earlier graphs are then
-re-planned to give it back, each compiled again for a smaller budget from the same graph
-module (on fake tensors), largest holder first, at most ``MAX_REPLANS`` compiles per step;
+Where a graph cannot reach its share, the step holds a debt. The graphs before the step's peak
+are then re-planned to give it back, each compiled again from the same graph module (on
+fake tensors) for what it held at its forward's end less the debt, largest holder first, at most ``MAX_REPLANS`` compiles per step;
 the next step runs the new plans (the step that compiled them had already run the old ones).
 A debt left after that is no error yet under a fraction: a later graph may still have room
 (an MoE's small routing graph comes before the experts). The verdict waits for the step's
@@ -66,7 +69,9 @@ class Graph:
     baseline: int = 0
     share: int = 0
     carried: int = 0  # what the graphs before it left over (negative: what they overran)
-    resident: int = 0
+    peak: int = 0  # the plan's resident peak over the graph's forward and backward
+    end: int = 0  # what it keeps between its forward and backward, while later graphs run
+    inputs: int = 0  # bytes it saves of earlier graphs' outputs (in peak and end; no plan's)
     floor: bool = False  # its plan is the smallest the planner reaches (it missed its share)
     known: bool = False  # planned in this process, or its plan reported by its first run
     recompile: Callable[[int], None] | None = None
@@ -82,33 +87,38 @@ class StepBudget:
         self.verdict_given = False
 
     # -- figures -------------------------------------------------------------------------
-    def total(self, extra_baseline: int = 0, skip: object = None) -> int:
-        """The step's budget in bytes, with ``extra_baseline`` for a graph not entered yet."""
+    def total(self) -> int:
+        """The step's budget in bytes (a fraction: of the baselines of the graphs so far)."""
         budget = self.options.memory_budget
         if isinstance(budget, float):
-            base = sum(g.baseline for k, g in self.graphs.items() if k != skip)
-            return int(budget * (base + extra_baseline))
+            return int(budget * sum(g.baseline for g in self.graphs.values()))
         assert isinstance(budget, int)
         return budget
 
-    def held(self, skip: object = None) -> int:
-        return sum(g.resident for k, g in self.graphs.items() if k != skip)
+    def peak(self) -> tuple[int, Graph | None]:
+        """The step's predicted peak of saved bytes, and the graph where it falls.
+
+        While graph ``k`` runs, forward or backward, the graphs before it hold what their
+        forwards left (their backwards come later) and the graphs after it hold nothing
+        (their forwards come later, their backwards ran before): ``end_1 + ... + end_{k-1}
+        + peak_k``. At the forward's end that is every graph's saved bytes together."""
+        best, at, before = 0, None, 0
+        for g in self.graphs.values():
+            if before + g.peak >= best:
+                best, at = before + g.peak, g
+            before += g.end
+        return best, at
 
     @property
     def debt(self) -> int:
-        return max(0, self.held() - self.total())
-
-    def smallest(self) -> int:
-        """What the step holds when every graph that missed its share is at its floor: the
-        smallest figure the planner showed it can reach (re-plans included)."""
-        return self.held()
+        return max(0, self.peak()[0] - self.total())
 
     def available(self, key: object) -> int:
         """What the graphs before ``key`` leave of the step's budget, before ``key``'s own
         fraction is added (the share's part that does not depend on its baseline)."""
         before = self._before(key)
         budget = self.options.memory_budget
-        held = sum(g.resident for g in before)
+        held = sum(g.end for g in before)
         if isinstance(budget, float):
             return int(budget * sum(g.baseline for g in before)) - held
         assert isinstance(budget, int)
@@ -133,15 +143,20 @@ class StepBudget:
             entry.known = entry.floor = False
         self.verdict_given = False
         fakes = _fakes(example_inputs)
+        # Inputs an earlier graph computed (they carry autograd history): what this graph
+        # saves of them is held for its backward only because it saves them.
+        produced = [
+            i for i, t in enumerate(example_inputs)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]  # fmt: skip
         holder: list[Any] = []
 
         def build(fixed: int | None, inputs: Sequence[Any]) -> Any:
-            ticket = Ticket(self, key, entry.name or None, fixed)
+            # A re-plan keeps the graph's name; a first compile learns it when partitioned.
+            ticket = Ticket(self, key, entry.name if fixed is not None else None, fixed)
+            ticket.produced = [(i, tuple(example_inputs[i].shape)) for i in produced]
             with _active(ticket):
-                compiled = compile_fn(gm, inputs)
-            if not entry.known and entry.name == "":
-                entry.name = ticket.name or ""
-            return compiled
+                return compile_fn(gm, inputs)
 
         holder.append(build(None, example_inputs))
 
@@ -151,7 +166,7 @@ class StepBudget:
 
         entry.recompile = recompile if fakes is not None else None
         run = self._runner(holder, key)
-        if entry.known and entry.floor:
+        if self.debt > 0:
             self._settle(key)
         return run
 
@@ -168,19 +183,24 @@ class StepBudget:
         return run
 
     def _settle(self, key: object) -> None:
-        """Graph ``key`` missed its share: give the debt back from earlier graphs, re-planned."""
+        """Graph ``key`` missed its share: take the debt back from the graphs before the peak,
+        each re-planned for what it holds at its forward's end less the debt, the largest
+        holder first. Bounded by ``MAX_REPLANS``."""
         graph = self.graphs[key]
-        order = sorted(
-            (g for k, g in self.graphs.items() if k != key and g.known and not g.floor),
-            key=lambda g: g.resident, reverse=True,
-        )  # fmt: skip
-        for g in order:
-            if self.debt <= 0 or self.replans >= MAX_REPLANS or g.recompile is None:
-                continue
+        while self.debt > 0 and self.replans < MAX_REPLANS:
+            _, at = self.peak()
+            before = [] if at is None else self._before(next(
+                k for k, g in self.graphs.items() if g is at))
+            order = sorted((g for g in before if g.known and not g.floor and g.end > 0
+                            and g.recompile is not None), key=lambda g: g.end, reverse=True)
+            if not order:
+                break
+            g = order[0]
             self.replans += 1
-            g.recompile(max(1, g.resident - self.debt))
+            assert g.recompile is not None
+            g.recompile(max(1, g.end - self.debt))  # at its floor, it is asked no more
         if self.debt > 0 and not isinstance(self.options.memory_budget, float):
-            # Later graphs only add to a byte budget's step: it cannot be met.
+            # Under a byte budget later graphs only add to the step: it cannot be met.
             self.verdict(graph.name)
 
     def _arm_verdict(self, out: Any) -> None:
@@ -194,13 +214,17 @@ class StepBudget:
             self.verdict(None)
 
     def verdict(self, graph: str | None) -> None:
-        """Raise (or warn) that the step cannot meet its budget, naming its smallest figure."""
+        """Raise (or warn) that the step cannot meet its budget, naming its smallest figure:
+        the step's peak with every graph that missed its share at its floor."""
         self.verdict_given = True
         names = [g.name for g in self.graphs.values()]
-        parts = ", ".join(f"{g.name}={g.resident}" for g in self.graphs.values())
+        smallest, at = self.peak()
+        parts = ", ".join(f"{g.name} holds {g.end} after its forward, {g.peak} at most"
+                          for g in self.graphs.values())
+        where = f"while {at.name} runs; " if at is not None else ""
         error = BudgetError(
-            f"the step ({len(names)} graphs: {', '.join(names)})", self.total(), self.smallest(),
-            [], scope="step", detail=f"per graph: {parts}",
+            f"the step ({len(names)} graphs: {', '.join(names)})", self.total(), smallest,
+            [], scope="step", detail=where + parts,
         )  # fmt: skip
         if self.options.on_infeasible == "raise":
             raise error
@@ -212,6 +236,7 @@ class Ticket:
 
     def __init__(self, step: StepBudget, key: object, name: str | None, fixed: int | None) -> None:
         self.step, self.key, self.name, self.fixed = step, key, name, fixed
+        self.produced: list[tuple[int, tuple[int, ...]]] = []  # (input index, shape)
 
     def cache_token(self) -> str:
         """What the plan depends on besides the graph and the options (compile-cache keys)."""
@@ -219,22 +244,28 @@ class Ticket:
             return f"step-fixed-{self.fixed}"
         return f"step-available-{self.step.available(self.key)}"
 
-    def share(self, baseline: int) -> int:
-        """The budget of this graph, whose baseline min-cut saves ``baseline`` bytes."""
+    def share(self, baseline: int, graph_name: str, inputs: int = 0) -> int:
+        """The budget of this graph's plan. Its baseline min-cut saves ``baseline`` bytes of
+        activations and ``inputs`` bytes of earlier graphs' outputs (:func:`saved_inputs`):
+        those count in the step and in the baseline, and come off the plan's budget."""
         step, entry = self.step, self.step.graphs[self.key]
-        entry.baseline = baseline
+        entry.baseline, entry.inputs = baseline + inputs, inputs
+        entry.name = self.name = self.name or graph_name
         available = step.available(self.key)
         budget = step.options.memory_budget
-        own = int(budget * baseline) if isinstance(budget, float) else 0
+        own = int(budget * entry.baseline) if isinstance(budget, float) else 0
         share = self.fixed if self.fixed is not None else available + own
         if self.fixed is None:  # bytes: what the graphs before it hold comes off the share
             entry.carried = available if isinstance(budget, float) else available - step.total()
         entry.share = max(1, share)
-        return entry.share
+        return max(1, entry.share - inputs)
 
-    def planned(self, resident: int, *, reached: bool) -> None:
+    def planned(self, peak: int, end: int, *, reached: bool) -> None:
+        """The plan's resident peak, and the bytes it keeps for the backward (its offloads'
+        copies land while the next graph runs; its peak counts them in flight)."""
         entry = self.step.graphs[self.key]
-        entry.resident, entry.floor, entry.known = resident, not reached, True
+        entry.peak, entry.end = peak + entry.inputs, end + entry.inputs
+        entry.floor, entry.known = not reached, True
 
     def reported(self, payload: str) -> None:
         """The plan a graph's first run reports: where a warm compile cache served the graph,
@@ -244,9 +275,12 @@ class Ticket:
             return
         plan = json.loads(payload)
         entry.baseline = int(plan.get("baseline_saved_bytes") or 0)
-        entry.resident = int(plan.get("resident_peak_bytes") or 0)
+        entry.peak = int(plan.get("resident_peak_bytes") or 0)
         entry.share = int(plan.get("budget_bytes") or 0)
-        entry.floor = entry.resident > entry.share
+        kept = {r.get("storage") or r["name"]: r["bytes"]
+                for r in plan.get("activations", []) if r.get("decision") == "keep"}
+        entry.end = sum(kept.values())
+        entry.floor = entry.peak > entry.share
         entry.known = True
 
     def notes(self) -> list[str]:
@@ -262,9 +296,10 @@ class Ticket:
             f"{entry.carried:+d} bytes carried from earlier graphs" if entry.carried else
             "nothing carried from earlier graphs"
         )
-        text = f"step budget: share {entry.share} bytes ({own}{', ' if own else ''}{carried})"
+        saved = f", {entry.inputs} of them earlier graphs' outputs it saves" if entry.inputs else ""
+        text = f"step budget: share {entry.share} bytes ({own}{', ' if own else ''}{carried}{saved})"
         if budget is not None and not isinstance(budget, float):
-            text = f"step budget: share {entry.share} bytes of {budget} ({carried})"
+            text = f"step budget: share {entry.share} bytes of {budget} ({carried}{saved})"
         return [text]
 
 
@@ -323,3 +358,25 @@ def graph_key() -> object:
     replaces its own entry."""
     compile_id = compat.current_compile_id()
     return object() if compile_id is None else compile_id.frame_id
+
+
+def saved_inputs(fw: Any, num_fwd_outputs: int, produced: Sequence[tuple[int, tuple[int, ...]]]
+                 ) -> int:
+    """Bytes the forward ``fw`` saves of the inputs at ``produced`` (index, shape): outputs of
+    earlier graphs. The forward's placeholders are the graph's inputs in order; an input
+    whose shape does not match (dynamo dropped or added one) is left out."""
+    from fxckpt.graph.activations import saved_nodes, storage_bytes, storage_key, tensor_val
+
+    if not produced:
+        return 0
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    wanted: dict[int, int] = {}  # storage -> bytes; a saved view of an input counts too
+    for i, shape in produced:
+        val = tensor_val(placeholders[i]) if i < len(placeholders) else None
+        if val is not None and tuple(val.shape) == shape and (k := storage_key(val)) is not None:
+            wanted[k] = storage_bytes(val)
+    seen = {
+        k for node in saved_nodes(fw, num_fwd_outputs)
+        if (val := tensor_val(node)) is not None and (k := storage_key(val)) in wanted
+    }  # fmt: skip
+    return sum(wanted[k] for k in seen)
