@@ -286,19 +286,24 @@ def infeasible(
 
     Every hint names an option the user set: the planner already relaxed the defaults.
     """
-    hints = ["a larger host_budget or an offload_dir"] if pool_capped else []
-    if options.offload == "never":
-        hints.append("offload='auto'")
-    if options.segment_stride == 0 and options.is_explicit("segment_stride"):
-        hints.append("segment_stride unset (the planner then recomputes blocks as needed)")
-    elif options.segment_width is not None and options.segment_width < options.segment_stride:
-        hints.append(f"segment_width={options.segment_stride}")
-    if options.min_offload_bytes > 0 and options.offload != "never":
-        hints.append("a smaller min_offload_bytes")
-    error = BudgetError(graph_name, budget, smallest, hints, sizes)
+    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes)
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
+
+
+def hints(options: Options, pool_capped: bool = False) -> list[str]:
+    """The options the user set that would let the planner go lower."""
+    out = ["a larger host_budget or an offload_dir"] if pool_capped else []
+    if options.offload == "never":
+        out.append("offload='auto'")
+    if options.segment_stride == 0 and options.is_explicit("segment_stride"):
+        out.append("segment_stride unset (the planner then recomputes blocks as needed)")
+    elif options.segment_width is not None and options.segment_width < options.segment_stride:
+        out.append(f"segment_width={options.segment_stride}")
+    if options.min_offload_bytes > 0 and options.offload != "never":
+        out.append("a smaller min_offload_bytes")
+    return out
 
 
 def timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200

@@ -54,6 +54,7 @@ import torch.utils._pytree as pytree
 from fxckpt import _torch_compat as compat
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
+from fxckpt.passes.plan_round import hints
 
 # Compiles a step may spend re-planning earlier graphs, all graphs together.
 MAX_REPLANS = 8
@@ -224,7 +225,7 @@ class StepBudget:
         where = f"while {at.name} runs; " if at is not None else ""
         error = BudgetError(
             f"the step ({len(names)} graphs: {', '.join(names)})", self.total(), smallest,
-            [], scope="step", detail=where + parts,
+            hints(self.options), scope="step", detail=where + parts,
         )  # fmt: skip
         if self.options.on_infeasible == "raise":
             raise error
@@ -327,7 +328,7 @@ def _fakes(example_inputs: Sequence[Any]) -> list[Any] | None:
     ``None`` where no fake mode traced it (then the graph is not re-planned)."""
     mode = compat.detect_fake_mode(example_inputs)
     if mode is None:
-        return None
+        return None if any(isinstance(t, torch.Tensor) for t in example_inputs) else list(example_inputs)
     return [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 
