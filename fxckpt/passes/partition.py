@@ -49,6 +49,7 @@ from fxckpt.graph.activations import (
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
 from fxckpt.options import Options
+from fxckpt.passes import step_budget
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
@@ -56,7 +57,6 @@ from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, set
 from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
-from fxckpt.passes import step_budget
 from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
 from fxckpt.planning.layouts import NONE, Layout
 from fxckpt.planning.plan import Plan, describe_assumptions
@@ -252,7 +252,8 @@ def partition(
                           step=ticket is not None)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
         if ticket is not None:
-            kept = [s.bytes for s, k in zip(decision.storages, solution.choices) if k == "keep"]
+            kinds = zip(decision.storages, solution.choices, strict=True)
+            kept = [s.bytes for s, k in kinds if k == "keep"]
             ticket.planned(peak, sum(kept), reached=solution.feasible)
             notes += ticket.notes()
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)

@@ -147,7 +147,7 @@ class StepBudget:
         # Inputs an earlier graph computed (they carry autograd history): what this graph
         # saves of them is held for its backward only because it saves them.
         produced = [
-            i for i, t in enumerate(example_inputs)
+            (i, tuple(t.shape)) for i, t in enumerate(example_inputs)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]  # fmt: skip
         holder: list[Any] = []
@@ -155,17 +155,20 @@ class StepBudget:
         def build(fixed: int | None, inputs: Sequence[Any]) -> Any:
             # A re-plan keeps the graph's name; a first compile learns it when partitioned.
             ticket = Ticket(self, key, entry.name if fixed is not None else None, fixed)
-            ticket.produced = [(i, tuple(example_inputs[i].shape)) for i in produced]
+            ticket.produced = produced
             with _active(ticket):
                 return compile_fn(gm, inputs)
 
-        holder.append(build(None, example_inputs))
+        holder.append(build(None, example_inputs))  # the real inputs are not kept past this
+        entry.recompile = None
+        if fakes is not None:
+            replan_inputs = fakes
 
-        def recompile(budget: int) -> None:
-            with compat.no_tracing_context():
-                holder[0] = build(budget, fakes)
+            def recompile(budget: int) -> None:
+                with compat.no_tracing_context():
+                    holder[0] = build(budget, replan_inputs)
 
-        entry.recompile = recompile if fakes is not None else None
+            entry.recompile = recompile
         run = self._runner(holder, key)
         if self.debt > 0:
             self._settle(key)
