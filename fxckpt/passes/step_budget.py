@@ -43,6 +43,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +56,8 @@ from fxckpt import _torch_compat as compat
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
 from fxckpt.passes.plan_round import hints
+
+log = logging.getLogger(__name__)
 
 # Compiles a step may spend re-planning earlier graphs, all graphs together.
 MAX_REPLANS = 8
@@ -165,8 +168,12 @@ class StepBudget:
             replan_inputs = fakes
 
             def recompile(budget: int) -> None:
-                with compat.no_tracing_context():
-                    holder[0] = build(budget, replan_inputs)
+                try:
+                    with compat.no_tracing_context():
+                        holder[0] = build(budget, replan_inputs)
+                except Exception as e:  # the graph keeps the plan it runs; the step goes on
+                    log.warning("fxckpt[%s] re-planning for the step failed: %s", entry.name, e)
+                    entry.recompile, entry.floor = None, True
 
             entry.recompile = recompile
         run = self._runner(holder, key)
