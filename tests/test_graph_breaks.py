@@ -2,8 +2,9 @@
 
 Blocks are numbered by the integer in their module path (``layers.2`` is block 2), so a
 stride picks the same blocks on both sides of a break, and under ``budget_scope="graph"`` a
-budget is met by each graph on its own (the step's budget: tests/test_step_budget.py). A break *inside a loop* over the blocks is another matter: dynamo then skips the
-whole frame, and each block's forward becomes a graph of its own that every block shares;
+budget is met by each graph on its own (the step's budget: tests/test_step_budget.py). A
+break *inside a loop* over the blocks is another matter: dynamo then skips the whole frame,
+and each block's forward becomes a graph of its own that every block shares;
 the last test pins down what fxckpt does there (docs/limitations.md).
 """
 

@@ -249,6 +249,27 @@ def test_a_recompile_replaces_the_graphs_own_entry() -> None:
     assert len(step.graphs) == 2 and step.total() == int(0.5 * 3000)
 
 
+@pytest.mark.filterwarnings("ignore:fxckpt")
+def test_a_new_shape_recompiles_the_graph_into_its_own_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[sb.StepBudget] = []
+    compile_one = sb.StepBudget.compile
+
+    def recording(self: sb.StepBudget, *args: Any) -> Any:
+        seen.append(self)
+        return compile_one(self, *args)
+
+    monkeypatch.setattr(sb.StepBudget, "compile", recording)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    backend = fxckpt.backend(compiler="eager", memory_budget=0.5, on_infeasible="warn")
+    compiled = torch.compile(model, backend=backend)
+    for rows in (4, 6):  # the second shape recompiles the frame
+        compiled(torch.randn(rows, 8)).sum().backward()
+    assert len(seen) == 2 and seen[0] is seen[1]  # one step: the same torch.compile call
+    assert len(seen[0].graphs) == 1  # replaced, not added: the baseline is counted once
+    assert seen[0].total() == int(0.5 * next(iter(seen[0].graphs.values())).baseline)
+
+
 def test_a_byte_budget_is_split_as_graphs_come_and_raises_at_once() -> None:
     step = sb.StepBudget(Options(memory_budget=1000))
     a, b = _Stub(700, 0), _Stub(300, 0)
