@@ -138,8 +138,8 @@ def check_pinned_slabs(ctx: Ctx) -> None:
     _grads(ctx.state["fxckpt"], ctx.state["batch"])
     st = fxckpt.stats()
     host_after = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-    p = pool.get_pool("cuda")
-    ok = st["pinned_bytes"] > 0 and st["pinned_bytes"] == p.bytes and host_after <= host_before
+    pinned = sum(p.bytes for p in pool.pools() if p.pinned)
+    ok = st["pinned_bytes"] > 0 and st["pinned_bytes"] == pinned and host_after <= host_before
     ctx.report.add("pinned_slabs", "passed" if ok else "failed",
                    "" if ok else "slab bytes do not match, or torch's pinned allocator grew",
                    pinned_bytes=st["pinned_bytes"], torch_host_bytes=host_after)
@@ -207,12 +207,12 @@ def check_disk_tier(ctx: Ctx) -> None:
     import tempfile
 
     import fxckpt
+    from fxckpt.backend import runtime_profile
     from fxckpt.runtime import disk, disk_dir, pool
 
     cfg, batch = ctx.state["cfg"], ctx.state["batch"]
     ref, floor, scale = ctx.state["ref"], ctx.state["floor"], ctx.state["scale"]
-    pool.set_pool_cap(0)  # empty the pool: the next high-water mark is one step's need
-    pool.set_pool_cap(None)
+    pool.trim_all()  # empty the pools: the next high-water mark is one step's need
     fxckpt.reset_stats()
     _grads(ctx.state["fxckpt"], batch)
     need = int(fxckpt.stats()["host_high_water_bytes"])
@@ -231,17 +231,16 @@ def check_disk_tier(ctx: Ctx) -> None:
         spec = fxckpt_spec("fxckpt_disk", "host_budget=need/4, offload_dir", offload="all",
                            min_offload_bytes=0, host_budget=budget, offload_dir=where)  # fmt: skip
         runner = _runner(ctx, spec, cfg, torch.float32)
-        pool.set_pool_cap(0)
-        pool.set_pool_cap(budget)
+        pool.trim_all()  # its compile capped its own pool at the budget
         fxckpt.reset_stats()
         ok, note = v.within_floor(v.grad_diffs(ref, _grads(runner, batch)), floor, scale)
         disk.wait_for_staging()
         st = fxckpt.stats()
-        left = disk.current().files() if disk.current() is not None else []
+        profile = runtime_profile(fxckpt.Options(host_budget=budget, offload_dir=where))
+        left = profile.disk.files() if profile is not None and profile.disk is not None else []
     finally:
         disk.shutdown()
         disk_dir.close_all()
-        pool.set_pool_cap(None)  # later checks' models were compiled without a host budget
     why = [] if ok else [f"gradients: {note}"]
     if st["host_high_water_bytes"] > budget:
         why.append(f"host high water {st['host_high_water_bytes']} > budget {budget}")

@@ -9,9 +9,9 @@ One process, one model (a GPT-style decoder on the CPU), ``offload="all"``, five
    (default: a new folder in the system's temporary directory).
 
 Each row compiles its own copy of the same initial weights and trains on the same batches
-with SGD. The host pool's cap and the disk directory are per process, so the rows take turns
-in blocks of ``--block`` steps, ``--rounds`` times: each block empties the host pool, applies
-its row's runtime settings, and does not time its first step (the pool refills then). Per
+with SGD; each keeps its own host pool and disk folder (runtime settings are per compile). The
+rows take turns in blocks of ``--block`` steps, ``--rounds`` times: each block empties the
+host pools and does not time its first step (the pool refills then). Per
 row: the median step time and its ratio to the baseline's; ``host_high_water_bytes`` (the
 pool's own accounting of the host buffers it allocated, staging included, never the plan's
 figures), the most over its blocks; ``disk_bytes`` written per timed step, disk write and
@@ -70,14 +70,15 @@ class Row:
 
     def block(self, batches: list[Any], steps: int) -> None:
         import fxckpt
-        from fxckpt.backend import configure_runtime
+        from fxckpt.backend import runtime_profile
         from fxckpt.runtime import disk, pool
 
         if self.compiled is None:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
             self.compiled = torch.compile(self.model, backend=fxckpt.backend(**self.options))
-        pool.set_pool_cap(0)  # an empty pool: the high-water mark is this block's alone
-        configure_runtime(fxckpt.Options.from_mapping(self.options))
+        # Empty pools: the high-water mark is this block's alone. (Each row's compile keeps
+        # its own host pool and folder: nothing to reconfigure between rows.)
+        pool.trim_all()
         fxckpt.reset_stats()
         before: dict[str, Any] = {}
         for i in range(steps):
@@ -100,7 +101,8 @@ class Row:
                                   + after["disk_fallbacks"])  # fmt: skip
         self.high_water = max(self.high_water, int(after["host_high_water_bytes"]))
         self.timed += steps - 1
-        where = disk.current()
+        profile = runtime_profile(fxckpt.Options.from_mapping(self.options))
+        where = profile.disk if profile is not None else None
         if "offload_dir" in self.options and where is not None:
             self.o_direct = where.direct
 

@@ -17,6 +17,7 @@ from fxckpt import _torch_compat
 # Binding the function after the submodule loads makes ``fxckpt.backend`` the factory, not the
 # module ``fxckpt/backend.py`` (the import system sets that attribute only on first load).
 from fxckpt.backend import backend  # noqa: E402
+from fxckpt.emulation import EmulatedLink, emulate_link
 from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
 
 # Bound after the submodule loads, like backend: fxckpt.inspect is the function (offline planning).
@@ -56,6 +57,7 @@ def reset_stats() -> None:
 
 __all__ = [
     "BudgetError",
+    "EmulatedLink",
     "FxckptError",
     "Keep",
     "Measurement",
@@ -69,6 +71,7 @@ __all__ = [
     "RuntimeCopyError",
     "__version__",
     "backend",
+    "emulate_link",
     "inspect",
     "last_plans",
     "measure",

@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -19,6 +19,9 @@ from fxckpt import residency
 from fxckpt.errors import OptionsError
 from fxckpt.options import Options, options_from_env
 from fxckpt.planning.plan import Plan
+
+if TYPE_CHECKING:
+    from fxckpt.runtime.profiles import Profile
 
 log = logging.getLogger(__name__)
 
@@ -110,20 +113,30 @@ def _boxed_nop(gm: fx.GraphModule, example_inputs: Sequence[object]) -> Any:
     return compat.make_boxed_func(gm.forward)
 
 
-def configure_runtime(options: Options) -> None:
-    """Apply the options that set up the runtime, per process (the last compile's win).
+def configure_runtime(options: Options) -> Profile:
+    """The runtime profile of this compile's ``copy_streams``, ``host_budget`` and
+    ``offload_dir``, registered for the graphs that name it (:mod:`fxckpt.runtime.profiles`).
 
-    The host pool's cap is the host budget (staging for the disk tier is taken from the same
-    pool). ``offload_dir`` is checked here, so a missing or unwritable directory is an
-    :class:`OptionsError` at compile time, and what killed processes left there is removed.
+    Nothing another compile set changes: a profile of other settings keeps its engine, its
+    host pool (capped at its own budget; staging for the disk tier comes from it too) and its
+    folder. ``offload_dir`` is checked when its profile is first made, so a missing or
+    unwritable directory is an :class:`OptionsError` at compile time, and what killed
+    processes left there is removed.
     """
-    from fxckpt.runtime import disk, engine, pool
+    from fxckpt.runtime import profiles
 
     check_training_options(options)
-    engine.set_copy_streams(options.copy_streams)
-    pool.set_pool_cap(options.resolve_host_budget())
-    if options.offload_dir is not None:
-        disk.use_directory(options.offload_dir)
+    settings = options.runtime_settings()
+    found = profiles.find(settings.key())
+    return found or profiles.register(settings, options.resolve_host_budget())
+
+
+def runtime_profile(options: Options) -> Profile | None:
+    """The runtime profile graphs compiled with ``options`` run on in this process, or
+    ``None`` before the first such compile."""
+    from fxckpt.runtime import profiles
+
+    return profiles.find(options.runtime_settings().key())
 
 
 def check_training_options(options: Options) -> None:

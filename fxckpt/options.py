@@ -20,7 +20,10 @@ from dataclasses import InitVar
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from fxckpt import _host
+from fxckpt._host import HOST_AUTO_MARGIN, HOST_AUTO_MARGIN_BYTES  # noqa: F401  (documented here)
 from fxckpt.errors import OptionsError
+from fxckpt.runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
     import torch
@@ -31,12 +34,6 @@ if TYPE_CHECKING:
 # the 512 MiB floor covers the fixed-size part (CUDA context growth, library handles).
 AUTO_MARGIN = 0.10
 AUTO_MARGIN_BYTES = 512 * 2**20
-# host_budget="auto" leaves the rest of the host for what appears after compile time and is
-# not fxckpt's: the optimizer's and the data loader's host memory, checkpoint staging, and the
-# page cache that buffered writes of the disk tier go through. A quarter of the available
-# memory scales with the machine; the 1 GiB floor covers a small machine's fixed part.
-HOST_AUTO_MARGIN = 0.25
-HOST_AUTO_MARGIN_BYTES = 2**30
 
 _UNITS: dict[str, int] = {
     "": 1, "b": 1,
@@ -140,6 +137,30 @@ def parse_bandwidth(value: Any, option: str) -> float | None:
     if not math.isfinite(rate) or rate <= 0:
         raise OptionsError(option, value, accepted, "must be positive and finite")
     return rate
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d{1,2}))?\s*(ms|us|µs|s)?",
+                       re.IGNORECASE)
+_MS_PER = {"ms": 1.0, "us": 1e-3, "µs": 1e-3, "s": 1e3, None: 1.0}
+
+
+def parse_duration_ms(value: Any, option: str) -> float:
+    """Return a duration in milliseconds: a non-negative number (ms) or a string such as
+    ``"0.05ms"``, ``"50us"`` or ``"0.001s"``."""
+    accepted = 'a number of milliseconds >= 0, or a string such as "0.05ms", "50us", "0.001s"'
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise OptionsError(option, value, accepted, f"a {type(value).__name__} is not accepted")
+    if isinstance(value, str):
+        match = _DURATION.fullmatch(value.strip())
+        if match is None:
+            raise OptionsError(option, value, accepted, "not a duration")
+        digits, exponent, unit = match.groups()
+        ms = float(digits) * 10 ** int(exponent or 0) * _MS_PER[unit and unit.lower()]
+    else:
+        ms = float(value)
+    if not math.isfinite(ms) or ms < 0:
+        raise OptionsError(option, value, accepted, "must be finite and >= 0")
+    return ms
 
 
 def _parse_int(value: Any, option: str, low: int, high: int | None = None) -> int:
@@ -352,19 +373,13 @@ class Options:
         return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
 
     def resolve_host_budget(self) -> int | None:
-        """The host budget in bytes, or ``None`` when there is no limit.
+        """The host budget in bytes, or ``None`` when there is no limit
+        (:func:`fxckpt._host.resolve_host_budget`: ``"auto"`` is resolved once per process)."""
+        return _host.resolve_host_budget(self.host_budget)
 
-        A float is that fraction of the machine's RAM (``MemTotal``); ``"auto"`` is the host
-        memory available now (``MemAvailable``) less ``HOST_AUTO_MARGIN`` of it and
-        ``HOST_AUTO_MARGIN_BYTES``, never below 0.
-        """
-        budget = self.host_budget
-        if budget is None or isinstance(budget, int):
-            return budget
-        if isinstance(budget, float):
-            return int(budget * _host_total_bytes())
-        free = _host_available_bytes("host_budget")
-        return max(0, int(free * (1 - HOST_AUTO_MARGIN)) - HOST_AUTO_MARGIN_BYTES)
+    def runtime_settings(self) -> RuntimeSettings:
+        """The options the runtime carries out (one runtime profile per distinct set)."""
+        return RuntimeSettings(self.copy_streams, self.host_budget, self.offload_dir)
 
 
 # Read as an attribute, the alias gives the option it sets (earlier versions read it so).
@@ -408,49 +423,13 @@ def _free_bytes(device: torch.device | str | None) -> int:
 
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cpu":
-        return _host_available_bytes()
+        return _host.available_bytes()
     backend = getattr(torch, dev.type, None)
     mem_get_info = getattr(backend, "mem_get_info", None)  # torch.cuda, torch.xpu
     if mem_get_info is None:
         detail = f"cannot measure free memory on device {str(dev)!r}"
         raise OptionsError("memory_budget", "auto", _AUTO_FALLBACK, detail)
     return int(mem_get_info(dev)[0])
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024  # the value is in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _host_available_bytes(option: str = "memory_budget") -> int:
-    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (the fallback) does not,
-    # so it underestimates, which errs on the safe side.
-    found = _meminfo("MemAvailable")
-    if found is not None:
-        return found
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        detail = "cannot read the host's available memory"
-        raise OptionsError(option, "auto", _AUTO_FALLBACK, detail) from None
-
-
-def _host_total_bytes() -> int:
-    """The machine's RAM: what a fractional ``host_budget`` is a fraction of."""
-    found = _meminfo("MemTotal")
-    if found is not None:
-        return found
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        detail = "cannot read the machine's RAM size"
-        raise OptionsError("host_budget", "a fraction", "an int number of bytes", detail) from None
 
 
 # Names that Options accepts but does not keep: each sets the option it maps to.

@@ -21,9 +21,10 @@ from models import GPT, gpt_inputs
 
 import fxckpt
 from fxckpt import _files
+from fxckpt.backend import runtime_profile
 from fxckpt.cli import main
 from fxckpt.errors import OptionsError, RuntimeCopyError
-from fxckpt.runtime import disk, disk_dir, engine, pool
+from fxckpt.runtime import disk, disk_dir, engine, pool, profiles
 from fxckpt.runtime.disk import DiskTierWarning
 
 ALL = {"compiler": "eager", "offload": "all", "min_offload_bytes": 0, "cost_model": "unit"}
@@ -73,10 +74,9 @@ def _dirs() -> dict[str, str]:
 @pytest.fixture
 def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     engine.configure()
-    pool.set_pool_cap(0)  # an empty pool: its high-water mark starts from nothing
-    pool.set_pool_cap(None)
+    pool.trim_all()  # empty pools: the high-water mark starts from nothing
     fxckpt.reset_stats()
-    monkeypatch.setattr(disk, "_current", None)
+    monkeypatch.setattr(profiles.default(), "disk", None)
     yield
     disk.shutdown()
     engine.configure()
@@ -102,6 +102,12 @@ def offload_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
         path.rmdir()
 
 
+def _folder(backend: Any) -> disk_dir.DiskDir | None:
+    """The disk folder of the runtime profile ``backend``'s compiles run on."""
+    profile = runtime_profile(backend.options)
+    return profile.disk if profile is not None else None
+
+
 def _offload_all_needs() -> int:
     """Host bytes offload="all" takes for one GPT step, as the pool's accounting says."""
     torch.manual_seed(0)
@@ -109,8 +115,7 @@ def _offload_all_needs() -> int:
     compiled(*gpt_inputs()).backward()
     need = fxckpt.stats()["host_high_water_bytes"]
     torch._dynamo.reset()
-    pool.set_pool_cap(0)
-    pool.set_pool_cap(None)
+    pool.trim_all()
     fxckpt.reset_stats()
     return need
 
@@ -136,7 +141,8 @@ def test_training_equals_eager_with_a_quarter_of_the_host_memory_offload_all_nee
     assert snap["disk_bytes"] == 2 * _disk_span_bytes(plan)
     assert all(r.decision.reason.startswith("offload → disk")
                for r in plan.activations if getattr(r.decision, "tier", "") == "disk")  # fmt: skip
-    assert snap["disk_files"] == 0 and disk.current() is not None and disk.current().files() == []
+    where = _folder(backend)
+    assert snap["disk_files"] == 0 and where is not None and where.files() == []
 
 
 @pytest.mark.slow
@@ -190,7 +196,7 @@ def test_a_file_deleted_before_the_backward_is_a_clear_error_and_the_next_step_i
     compiled = torch.compile(model, backend=backend)
     loss = compiled(*gpt_inputs())
     disk.wait_for_staging()  # every write is done
-    where = disk.current()
+    where = _folder(backend)
     assert where is not None and where.files()
     for name in where.files():
         os.unlink(os.path.join(where.path, name))
@@ -255,6 +261,7 @@ def test_inspect_plans_a_disk_tier_offline_and_shows_the_split(
     clean: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     gpt = str(HERE / "fixtures" / "tiny_gpt.py") + ":gpt"
+    before = profiles.registered()
     flags = ["--offload", "all", "--min-offload", "0", "--host-budget", "4MiB",
              "--offload-dir-bandwidth", "2GB/s", "-q"]  # fmt: skip
     assert main(["inspect", gpt, *flags, "--format", "json"]) == 0
@@ -266,7 +273,7 @@ def test_inspect_plans_a_disk_tier_offline_and_shows_the_split(
     assert main(["inspect", gpt, *flags]) == 0
     out = capsys.readouterr().out
     assert "offload → disk" in out and "device / host / disk" in out
-    assert disk.current() is None  # planning offline touched no directory
+    assert profiles.registered() == before  # planning offline set up no runtime
     assert main(["inspect", gpt, "--host-budget", "-1", "-q"]) == 2
     err = capsys.readouterr().err
     assert "'host_budget'" in err and "-1" in err

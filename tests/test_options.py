@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxckpt import options as options_module
+from fxckpt import _host
 from fxckpt.errors import OptionsError
 from fxckpt.options import (
     AUTO_MARGIN,
@@ -361,7 +361,7 @@ def test_auto_budget_on_cpu_is_within_available_memory() -> None:
 
 @pytest.mark.parametrize("free", [0, 100 * MiB, AUTO_MARGIN_BYTES, 10 * GiB])
 def test_auto_budget_margin(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
-    monkeypatch.setattr(options_module, "_host_available_bytes", lambda: free)
+    monkeypatch.setattr(_host, "available_bytes", lambda option="x": free)
     expected = max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
     assert Options(memory_budget="auto").resolve_budget(1, device="cpu") == expected
 
@@ -405,8 +405,9 @@ def test_options_from_env_rejects(monkeypatch: pytest.MonkeyPatch, text: str) ->
 def test_resolve_host_budget(monkeypatch: pytest.MonkeyPatch, total: int, available: int) -> None:
     from fxckpt.options import HOST_AUTO_MARGIN, HOST_AUTO_MARGIN_BYTES
 
-    monkeypatch.setattr(options_module, "_host_total_bytes", lambda: total)
-    monkeypatch.setattr(options_module, "_host_available_bytes", lambda option="x": available)
+    monkeypatch.setattr(_host, "total_bytes", lambda: total)
+    monkeypatch.setattr(_host, "available_bytes", lambda option="x": available)
+    monkeypatch.setattr(_host, "_auto", [])  # resolved anew for this machine
     assert Options().resolve_host_budget() is None
     assert Options(host_budget="3GiB").resolve_host_budget() == 3 * GiB
     assert Options(pinned_pool_bytes=4096).resolve_host_budget() == 4096

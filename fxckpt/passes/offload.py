@@ -162,12 +162,19 @@ def _sizes(graph: fx.Graph, dims: Sequence[Any], table: dict[sympy.Expr, fx.Node
 
 
 def insert_offloads(
-    fw: fx.GraphModule, bw: fx.GraphModule, placements: Sequence[Placement | BucketPlacement]
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    placements: Sequence[Placement | BucketPlacement],
+    profile: str | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Offload each placed saved tensor (or bucket of them) of ``fw`` and restore it in ``bw``."""
+    """Offload each placed saved tensor (or bucket of them) of ``fw`` and restore it in ``bw``.
+
+    ``profile``: the key of the compile's runtime settings, which each offload op carries
+    (``None``, the defaults: left out, so such graphs read as they always did).
+    """
     if not placements:
         return fw, bw
-    g = _Graphs(fw, bw)
+    g = _Graphs(fw, bw, {} if profile is None else {"profile": profile})
     for p in placements:
         if isinstance(p, BucketPlacement):
             _insert_bucket(g, p)
@@ -184,8 +191,9 @@ def insert_offloads(
 class _Graphs:
     """The two graphs being rewritten, with the lookups every insertion needs."""
 
-    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, start: dict[str, Any]) -> None:
         self.fw, self.bw = fw, bw
+        self.start = start  # keyword arguments of the ops that start a transfer
         self.fw_nodes = {n.name: n for n in fw.graph.nodes}
         self.bw_nodes = {n.name: n for n in bw.graph.nodes}
         self.fw_at = {n: i for i, n in enumerate(fw.graph.nodes)}
@@ -222,7 +230,8 @@ def _insert_one(g: _Graphs, p: Placement) -> None:
         # The tier argument only where it is not the default, so host-tier graphs read as
         # they always did.
         args = (src,) if p.tier == 0 else (src, p.tier)
-        handle = fw.graph.create_node("call_function", OFFLOAD, args, name=f"{p.name}_handle")
+        handle = fw.graph.create_node("call_function", OFFLOAD, args, dict(g.start),
+                                      name=f"{p.name}_handle")
     handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
     with fw.graph.inserting_after(g.join_anchor(handle, p.done_after, p.offload_after or p.name)):
         done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
@@ -253,7 +262,7 @@ def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
     vals = [s.meta["val"] for s in srcs]
     source = ",".join(p.names)
     with fw.graph.inserting_after(g.fw_nodes[p.offload_after]):
-        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,),
+        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,), dict(g.start),
                                       name=f"{p.names[0]}_bucket")
     handle.meta.update({"val": _handle_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD,
                         meta.SOURCE: source})  # fmt: skip

@@ -294,7 +294,9 @@ def partition(
     plan.timeline = plan_timeline
     plan.assumptions = assumed
     with step(graph_name, "offload"):
-        fw, bw = insert_offloads(fw, bw, _placements(fw, bw, part, decision, options, inductor))
+        placements = _placements(fw, bw, part, decision, options, inductor)
+        profile = options.runtime_settings().key()
+        fw, bw = insert_offloads(fw, bw, placements, profile)
     if inductor:
         with step(graph_name, "saved layouts"):
             plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()

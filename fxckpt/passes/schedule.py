@@ -290,16 +290,18 @@ def pin_positions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _set_after(node: fx.Node, after: list[fx.Node]) -> None:
-    """Fill the ``after`` argument of a fxckpt op (the last one of each schema)."""
+    """Fill the ``after`` argument of a fxckpt op (the last positional one of each schema)."""
     if not after:
         return
     schema = node.target._schema  # type: ignore[union-attr]
-    names = [a.name for a in schema.arguments]
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    names = [a.name for a in positional]
     # Arguments between the given ones and ``after`` take their schema defaults (offload's
-    # ``tier``), passed positionally so that ``after`` can follow them.
+    # ``tier``), passed positionally so that ``after`` can follow them. Keyword-only ones
+    # (offload's ``profile``) stay keywords.
     args = list(node.args) + [
-        node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(node.args) :]
+        node.kwargs.get(a.name, a.default_value) for a in positional[len(node.args) :]
     ]
     args[names.index("after")] = after
     node.args = tuple(args)
-    node.kwargs = {}
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import stats
+from fxckpt.runtime import profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
 from fxckpt.runtime.handles import lookup, next_id, register, restored, same_device, span_of
 from fxckpt.runtime.transfer import UNSAFE, as_span, join, restore, to_host, token
@@ -32,13 +32,14 @@ ALIGN = 64
 @torch.library.custom_op(
     "fxckpt::offload_many",
     mutates_args=(),
-    schema="(Tensor[] srcs, Tensor[]? after=None) -> Tensor",
+    schema="(Tensor[] srcs, Tensor[]? after=None, *, str? profile=None) -> Tensor",
     tags=UNSAFE,
 )
-def offload_many(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+def offload_many(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | None = None, *,
+                 profile: str | None = None) -> torch.Tensor:
     """Start copying every tensor of ``srcs`` (one dtype, one device) to one host buffer, as
-    one copy; returns the handle that names the bucket. ``after``: as for ``fxckpt::offload``."""
+    one copy; returns the handle that names the bucket. ``after`` and ``profile``: as for
+    ``fxckpt::offload``."""
     if not srcs:
         raise RuntimeCopyError("fxckpt::offload_many needs at least one tensor")
     first = srcs[0]
@@ -56,7 +57,7 @@ def offload_many(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | N
         parts.append(Part(tuple(src.shape), tuple(src.stride()), span, offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     rec = Transfer(hid=next_id(), parts=tuple(parts), dtype=first.dtype, device=first.device,
-                   nbytes=offset)  # fmt: skip
+                   nbytes=offset, profile=profiles.lookup(profile))  # fmt: skip
     if rec.nbytes:
         spans = [as_span(src, part.span) for src, part in zip(srcs, parts, strict=True)]
         to_host(rec, list(srcs), spans)
@@ -66,7 +67,8 @@ def offload_many(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | N
 
 
 @offload_many.register_fake
-def _(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def _(srcs: Sequence[torch.Tensor], after: Sequence[torch.Tensor] | None = None, *,
+      profile: str | None = None) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 

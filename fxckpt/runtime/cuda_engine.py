@@ -38,10 +38,16 @@ _D2H, _H2D = 0, 1
 
 
 class CudaEngine:
-    """Side streams and events for one device."""
+    """Side streams and events for one device, ``streams`` copy streams per direction.
 
-    def __init__(self, device: torch.device) -> None:
+    Engines of one device with different stream counts share the lower slots' streams
+    (``fxckpt._cuda`` makes each slot once per process): the ordering rules hold per transfer,
+    whatever stream another engine queues on.
+    """
+
+    def __init__(self, device: torch.device, streams: int = 1) -> None:
         self.device = device
+        self.streams = streams
         self._lock = threading.Lock()
         self._turn = [0, 0]
         # Timing event pairs not read yet: (start, end) of each copy, and (reached, released)
@@ -54,7 +60,7 @@ class CudaEngine:
         self._reading = threading.Lock()
 
     def _stream(self, direction: int) -> Any:
-        n = _config.copy_streams
+        n = self.streams
         with self._lock:
             turn = self._turn[direction]
             self._turn[direction] = turn + 1

@@ -5,8 +5,9 @@ The plan marks such a tensor ``offload → disk`` and its ``fxckpt::offload`` op
 fails without it, ``tests/runtime/test_disk.py``; the CUDA ones also run against the recording
 double, ``tests/runtime/test_disk_protocol.py``):
 
-- **offload** (compute thread): take a staging slot and a host buffer from the pool (the
-  host budget covers staging too), and start the engine's usual device-to-host copy into it.
+- **offload** (compute thread): take a staging slot and a host buffer from the pool of the
+  transfer's runtime profile (its host budget covers staging too), and start the engine's
+  usual device-to-host copy into it. The file goes to that profile's ``offload_dir``.
   At most ``STAGING_SLOTS`` buffers are in flight; a third offload waits for a write to end
   (counted in ``stall_seconds``).
 - **write** (writer thread): W1 wait until the device-to-host copy is complete; write the
@@ -41,9 +42,9 @@ import torch
 
 from fxckpt import _files
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import disk_dir, stats
-from fxckpt.runtime.engine import Transfer, get_engine
-from fxckpt.runtime.staging import Staging, staged_bytes
+from fxckpt.runtime import disk_dir, profiles, stats
+from fxckpt.runtime.engine import Transfer
+from fxckpt.runtime.staging import Staging, drain_all, staged_bytes, staging_of
 from fxckpt.runtime.staging import give_back as _give_back
 
 HOST, DISK = 0, 1
@@ -73,12 +74,9 @@ class DiskCopy:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_staging = Staging()
-_current: disk_dir.DiskDir | None = None
 _dead: collections.deque[tuple[Transfer, DiskCopy]] = collections.deque()
 _executors: dict[str, Any] = {}
 _executors_lock = threading.Lock()
-_warned = False
 _inline = False
 
 
@@ -109,27 +107,35 @@ def _executor(kind: str) -> Any:
     return ex
 
 
-def use_directory(root: str) -> disk_dir.DiskDir:
-    """Send disk-tier offloads to ``root`` from now on (per process: the last call wins).
+def use_directory(root: str | None) -> disk_dir.DiskDir | None:
+    """Give the default runtime profile a disk tier in ``root`` (``None``: none), for tests
+    and tools that call the ops without compiling; a compile's ``offload_dir`` goes to its
+    own profile instead.
 
     Validates the directory (:class:`OptionsError` naming ``offload_dir``), removes what
-    killed processes left there, and re-arms the one-time warning.
+    killed processes left there, and re-arms the default profile's one-time warning.
     """
-    global _current, _warned
-    _current = disk_dir.use_directory(root)
-    _warned = False
-    return _current
+    default = profiles.default()
+    default.disk = where = disk_dir.use_directory(root) if root is not None else None
+    default.disk_warned = False
+    return where
 
 
 def current() -> disk_dir.DiskDir | None:
-    return _current
+    """The default profile's folder (:func:`use_directory`)."""
+    return profiles.default().disk
 
 
-def wait_for_staging() -> float:
-    """Wait for the disk tier's staging buffers to be back in the pool (the host tier asks
-    when the pool is full: staging in flight is the only part of it that will come back
-    without the step going on). Returns the seconds waited; 0 when none was in flight."""
-    return _staging.drain()
+def _staging(rec: Transfer) -> Staging:
+    return staging_of(rec.profile.pool(rec.device.type))
+
+
+def wait_for_staging(staging: Staging | None = None) -> float:
+    """Wait for the disk tier's staging buffers to be back in their pool (``None``: every
+    pool's). The host tier asks when its pool is full: staging in flight is the only part of
+    it that will come back without the step going on. Returns the seconds waited; 0 when none
+    was in flight."""
+    return drain_all() if staging is None else staging.drain()
 
 
 def configure(*, inline: bool = False) -> None:
@@ -149,9 +155,10 @@ def shutdown() -> None:
     collect()
 
 
-def warn_once(reason: str) -> None:
-    global _warned
-    first, _warned = not _warned, True
+def warn_once(rec: Transfer, reason: str) -> None:
+    """Count a disk-tier fallback of ``rec``, and warn of the first one of its profile."""
+    profile = rec.profile
+    first, profile.disk_warned = not profile.disk_warned, True
     stats.add("disk_fallbacks", 1)
     if first:
         warnings.warn(
@@ -167,11 +174,11 @@ def warn_once(reason: str) -> None:
 def start_offload(rec: Transfer, span: torch.Tensor) -> bool:
     """Stage ``span`` (the source's bytes, on the device) for a file; False: no staging to be
     had, and the caller keeps the tensor elsewhere."""
-    where = _current
+    where = rec.profile.disk
     if where is None:
         return False
     collect()
-    buf, waited = _staging.take(rec.device.type, rec.nbytes)
+    buf, waited = _staging(rec).take(rec.nbytes)
     if waited:
         stats.add("stall_seconds", waited)
     if buf is None:
@@ -180,11 +187,12 @@ def start_offload(rec: Transfer, span: torch.Tensor) -> bool:
     copy = DiskCopy(where, buf, view)
     rec.disk = copy
     try:
-        get_engine(rec.device).start_offload(rec, [(span.view(torch.uint8), view[: rec.nbytes])])
+        rec.profile.engine(rec.device).start_offload(
+            rec, [(span.view(torch.uint8), view[: rec.nbytes])])
     except Exception:
         rec.disk = None
         del copy, view
-        _staging.give(rec.device.type, [buf])
+        _staging(rec).give([buf])
         raise
     copy.jobs = 1
     copy.written = _executor("w").submit(_write, rec, copy, rec.d2h)
@@ -193,18 +201,18 @@ def start_offload(rec: Transfer, span: torch.Tensor) -> bool:
 
 def _write(rec: Transfer, copy: DiskCopy, d2h: Any) -> None:
     try:
-        get_engine(rec.device).wait_copied(d2h, rec)  # W1
+        rec.profile.engine(rec.device).wait_copied(d2h, rec)  # W1
     except Exception as err:  # noqa: BLE001  (restoring reports it)
         copy.error = repr(err)
     if copy.error is None and not copy.dead:
         _write_file(rec, copy)
     with copy.lock:
         if copy.hosted:
-            _staging.give(rec.device.type, [])  # the buffer stays, as the host copy
+            _staging(rec).give([])  # the buffer stays, as the host copy
         else:
             held = [copy.buf] if copy.buf is not None else []
             copy.buf = copy.view = None
-            _staging.give(rec.device.type, held)  # W2
+            _staging(rec).give(held)  # W2
         copy.jobs -= 1
         if copy.dead:
             _clean(rec, copy)
@@ -230,6 +238,7 @@ def _write_file(rec: Transfer, copy: DiskCopy) -> None:
         why = err.strerror or repr(err)
         code = errno.errorcode.get(err.errno or 0, "")
         warn_once(
+            rec,
             f"writing an offloaded activation to offload_dir={where.root!r} failed "
             f"({code + ': ' if code else ''}{why}); it stays in host memory, over host_budget"
         )
@@ -266,15 +275,15 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
                 f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed earlier, "
                 f"so it cannot be restored: {copy.error}"
             )
-        engine = get_engine(rec.device)
+        engine = rec.profile.engine(rec.device)
         if copy.hosted:
             assert copy.view is not None
             return engine.restore_sync(rec, copy.view[: rec.nbytes])
-        buf, _ = _staging.take(rec.device.type, rec.nbytes)
+        buf, _ = _staging(rec).take(rec.nbytes)
         if buf is None:
             # The pool is full of live host copies: read through a buffer of its own (over
             # the budget for this one read) rather than fail the step.
-            warn_once("no staging buffer fits host_budget for a read from the disk tier; "
+            warn_once(rec, "no staging buffer fits host_budget for a read from the disk tier; "
                       "one read used memory outside it")
             return _read_into(rec, copy, [torch.empty(staged_bytes(rec.nbytes), dtype=torch.uint8)])
         held = [buf]
@@ -282,7 +291,7 @@ def _read(rec: Transfer, copy: DiskCopy) -> torch.Tensor:
         try:
             return _read_into(rec, copy, held)
         finally:
-            _staging.give(rec.device.type, held)  # R2: _read_into returned after the copy
+            _staging(rec).give(held)  # R2: _read_into returned after the copy
     finally:
         with copy.lock:
             copy.jobs -= 1
@@ -309,7 +318,7 @@ def _read_into(rec: Transfer, copy: DiskCopy, held: list[torch.Tensor]) -> torch
             f"fxckpt: reading {copy.path} back for offloaded {rec.describe()} failed: {err!r}"
         ) from None
     stats.add("disk_read_seconds", time.perf_counter() - start)
-    return get_engine(rec.device).restore_sync(rec, view[: rec.nbytes])
+    return rec.profile.engine(rec.device).restore_sync(rec, view[: rec.nbytes])
 
 
 def finish_prefetch(rec: Transfer) -> tuple[torch.Tensor, float]:
@@ -327,7 +336,7 @@ def finish_prefetch(rec: Transfer) -> tuple[torch.Tensor, float]:
         raise RuntimeCopyError(str(err)) from None
     if err is not None:
         raise RuntimeCopyError(f"fxckpt: restoring {rec.describe()} failed: {err!r}") from None
-    dev = get_engine(rec.device).adopt(rec, fut.result())
+    dev = rec.profile.engine(rec.device).adopt(rec, fut.result())
     return dev, 0.0 if start is None else time.perf_counter() - start
 
 
@@ -368,7 +377,7 @@ def _clean(rec: Transfer, copy: DiskCopy) -> None:
         stats.add("disk_files", -1)
     if copy.buf is not None:  # a host copy left by a failed write
         held, copy.buf, copy.view = [copy.buf], None, None
-        _give_back(rec.device.type, held)
+        _give_back(rec.profile.pool(rec.device.type), held)
 
 
 stats.add_collector(collect)

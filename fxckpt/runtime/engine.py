@@ -6,7 +6,9 @@ missing wait shows up as wrong values in CPU tests. Nothing here is created at i
 threads appear on first use.
 
 An engine works on :class:`Transfer` records; the ops module owns the records, the handle
-registry and the host pool buffers, and tells the engine what to copy where.
+registry and the host pool buffers, and tells the engine what to copy where. There is one
+engine per device and stream count: each runtime profile (``profiles.py``) copies on the
+engine of its ``copy_streams``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fxckpt import _link
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import stats
 from fxckpt.runtime.pool import Completion
@@ -56,6 +59,10 @@ class Transfer:
     dev_stream: Any = None  # CUDA stream ``dev`` was allocated on
     error: str | None = None  # an injected failure (CUDA has no worker to raise in)
     disk: Any = None  # the disk tier's DiskCopy, for a tensor that goes to a file
+    d2h_end: float = 0.0  # emulated link: when the device-to-host copy's window closes
+    # The runtime profile (profiles.Profile) of the graph that started the transfer: its
+    # engine, host pool and disk folder serve every later op on this handle.
+    profile: Any = None
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -120,7 +127,6 @@ class Engine(Protocol):
 @dataclass
 class _Config:
     copy_delay_s: float = 0.0
-    copy_streams: int = 1
     fail_next_copies: int = 0
     unsafe_skip_waits: bool = False
     poison_fresh: bool = False
@@ -132,22 +138,18 @@ _config_lock = threading.Lock()
 
 def configure(
     copy_delay_s: float = 0.0,
-    copy_streams: int | None = None,
     fail_next_copies: int = 0,
     unsafe_skip_waits: bool = False,
     poison_fresh: bool = False,
 ) -> None:
-    """Set the engines' knobs. Each call resets the testing knobs to the values given.
+    """Set the engines' testing knobs; each call resets them all to the values given.
 
-    ``copy_streams`` (``None``: unchanged) is the number of streams, or worker threads, per
-    direction. The rest exist for tests: ``copy_delay_s`` delays every copy,
-    ``fail_next_copies`` makes the next N copies fail, ``unsafe_skip_waits`` turns
-    ``offload_done`` and ``wait`` into no-ops so a test can prove a missing wait is caught, and
-    ``poison_fresh`` fills every fresh prefetch buffer with 0xFF bytes so that reading it
-    before its copy lands cannot match the source by luck.
+    ``copy_delay_s`` delays every copy, ``fail_next_copies`` makes the next N copies fail,
+    ``unsafe_skip_waits`` turns ``offload_done`` and ``wait`` into no-ops so a test can prove a
+    missing wait is caught, and ``poison_fresh`` fills every fresh prefetch buffer with 0xFF
+    bytes so that reading it before its copy lands cannot match the source by luck. (The
+    stream count is a runtime profile's: ``copy_streams``.)
     """
-    if copy_streams is not None and (not isinstance(copy_streams, int) or copy_streams < 1):
-        raise ValueError(f"copy_streams must be an int >= 1, got {copy_streams!r}")
     if copy_delay_s < 0 or fail_next_copies < 0:
         raise ValueError("copy_delay_s and fail_next_copies must be >= 0")
     with _config_lock:
@@ -155,20 +157,6 @@ def configure(
         _config.fail_next_copies = int(fail_next_copies)
         _config.unsafe_skip_waits = bool(unsafe_skip_waits)
         _config.poison_fresh = bool(poison_fresh)
-        if copy_streams is not None:
-            _config.copy_streams = copy_streams
-
-
-def set_copy_streams(n: int) -> None:
-    """Streams (CPU: worker threads) per direction, leaving the testing knobs alone.
-
-    The backend calls this at compile time; calling :func:`configure` there would reset a
-    delay or failure that a test injected before compiling.
-    """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"copy_streams must be an int >= 1, got {n!r}")
-    with _config_lock:
-        _config.copy_streams = n
 
 
 def _copy_plan() -> tuple[float, bool]:
@@ -192,32 +180,30 @@ def _fresh_span(rec: Transfer, part: Part) -> torch.Tensor:
 
 
 class CpuEngine:
-    """Worker threads as copy streams, futures as events."""
+    """Worker threads as copy streams, futures as events.
 
-    def __init__(self, device: torch.device) -> None:
+    With a link emulated (:mod:`fxckpt._link`), each copy takes a window on its direction's
+    queue when it is handed to a worker, moves its bytes late in that window, and completes
+    (its future resolves) only once the window has closed; ``copy_seconds`` then counts the
+    windows. Threads that wait for a copy sleep on its future.
+    """
+
+    def __init__(self, device: torch.device, streams: int = 1) -> None:
         self.device = device
+        self.streams = streams  # worker threads per direction
         self._lock = threading.Lock()
-        # (workers, d2h, h2d) in one tuple so that readers outside the lock see a
-        # consistent triple.
-        self._state: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        # (d2h, h2d) in one tuple so that readers outside the lock see a consistent pair.
+        self._state: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
-    def _executors(self) -> tuple[int, ThreadPoolExecutor, ThreadPoolExecutor]:
-        n = _config.copy_streams
+    def _executors(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         state = self._state
-        if state is not None and state[0] == n:
+        if state is not None:
             return state
         with self._lock:
-            old = self._state
-            if old is None or old[0] != n:
-                self._state = (
-                    n,
-                    ThreadPoolExecutor(n, thread_name_prefix="fxckpt-d2h"),
-                    ThreadPoolExecutor(n, thread_name_prefix="fxckpt-h2d"),
-                )
-                if old is not None:  # queued copies still run: in-flight handles need them
-                    old[1].shutdown(wait=False)
-                    old[2].shutdown(wait=False)
-            assert self._state is not None
+            if self._state is None:
+                n = self.streams
+                self._state = (ThreadPoolExecutor(n, thread_name_prefix=f"fxckpt-d2h-{n}"),
+                               ThreadPoolExecutor(n, thread_name_prefix=f"fxckpt-h2d-{n}"))
             return self._state
 
     def start_offload(self, rec: Transfer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -229,6 +215,19 @@ class CpuEngine:
         # outlive the pool's accounting of it (the pool may already have freed and replaced it).
         tensors = list(copies)
         del copies
+        nbytes = sum(dst.numel() for _, dst in tensors)
+        # An emulated link queues the copy now, as a copy stream would: the window is fixed
+        # in submission order, whichever worker thread runs it.
+        link = _link.current()
+        window = link.occupy("d2h", nbytes) if link is not None else None
+        if window is not None:
+            rec.d2h_end = window[1]
+
+        def move() -> None:
+            while tensors:
+                src, dst = tensors.pop()
+                dst.copy_(src)
+                del src, dst
 
         def copy() -> None:
             started = time.perf_counter()
@@ -237,14 +236,14 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("device-to-host"))
-            while tensors:
-                src, dst = tensors.pop()
-                dst.copy_(src)
-                del src, dst
-            stats.add("copy_seconds", time.perf_counter() - started)
+            if link is None or window is None:
+                move()
+                stats.add("copy_seconds", time.perf_counter() - started)
+            else:
+                stats.add("copy_seconds", link.run_window("d2h", nbytes, move, *window))
 
         stats.add("copy_handoffs", 1)
-        rec.d2h = self._executors()[1].submit(copy)
+        rec.d2h = self._executors()[0].submit(copy)
 
     def finish_offload(self, rec: Transfer) -> float:
         if _config.unsafe_skip_waits:
@@ -261,6 +260,17 @@ class CpuEngine:
                                                              strict=True)]
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
+        nbytes = sum(host.numel() for _, host in tensors)
+        link = _link.current()
+        # Queued behind the copies before it on the H2D queue, and not before the bytes have
+        # reached the host (the D2H window's end).
+        window = link.occupy("h2d", nbytes, rec.d2h_end) if link is not None else None
+
+        def move() -> None:
+            while tensors:
+                out, host = tensors.pop()
+                out.copy_(host)
+                del out, host
 
         def copy() -> None:
             # The H2D "stream" waits for the D2H "event", like CudaEngine's wait_event.
@@ -280,14 +290,14 @@ class CpuEngine:
             if fail:
                 tensors.clear()
                 raise RuntimeError(_injected("host-to-device"))
-            while tensors:
-                out, host = tensors.pop()
-                out.copy_(host)
-                del out, host
-            stats.add("copy_seconds", time.perf_counter() - started)
+            if link is None or window is None:
+                move()
+                stats.add("copy_seconds", time.perf_counter() - started)
+            else:
+                stats.add("copy_seconds", link.run_window("h2d", nbytes, move, *window))
 
         stats.add("copy_handoffs", 1)
-        rec.h2d = self._executors()[2].submit(copy)
+        rec.h2d = self._executors()[1].submit(copy)
         rec.dev = dev
 
     def finish_prefetch(self, rec: Transfer) -> tuple[list[torch.Tensor], float]:
@@ -308,8 +318,13 @@ class CpuEngine:
         if fail:
             raise RuntimeError(_injected("host-to-device"))
         dev = _fresh_span(rec, rec.parts[0])
-        dev.view(torch.uint8).copy_(host)
-        stats.add("copy_seconds", time.perf_counter() - started)
+        link = _link.current()
+        if link is None:
+            dev.view(torch.uint8).copy_(host)
+            stats.add("copy_seconds", time.perf_counter() - started)
+        else:
+            busy = link.copy("h2d", host.numel(), lambda: dev.view(torch.uint8).copy_(host))
+            stats.add("copy_seconds", busy)
         return dev
 
     def adopt(self, rec: Transfer, dev: torch.Tensor) -> torch.Tensor:
@@ -326,7 +341,7 @@ class CpuEngine:
         with self._lock:
             state, self._state = self._state, None
         if state is not None:
-            for ex in state[1:]:
+            for ex in state:
                 ex.shutdown(wait=True, cancel_futures=True)
 
 
@@ -349,34 +364,42 @@ def _block_on(fut: Future[None], rec: Transfer, direction: str) -> float:
     return 0.0 if start is None else time.perf_counter() - start
 
 
-_engines: dict[torch.device, Engine] = {}
+_engines: dict[tuple[torch.device, int], Engine] = {}
 _engines_lock = threading.Lock()
 
 
-def get_engine(device: torch.device | str) -> Engine:
-    """The engine for ``device`` (one per device), created on first use."""
+def get_engine(device: torch.device | str, streams: int = 1) -> Engine:
+    """The engine for ``device`` with ``streams`` copy streams (CPU: worker threads) per
+    direction, created on first use."""
     device = torch.device(device)
-    engine = _engines.get(device)
+    engine = _engines.get((device, streams))
     if engine is not None:
         return engine
     if device.type == "cuda" and device.index is None:
-        return get_engine(torch.device("cuda", torch.cuda.current_device()))
+        return get_engine(torch.device("cuda", torch.cuda.current_device()), streams)
     with _engines_lock:
-        engine = _engines.get(device)
+        engine = _engines.get((device, streams))
         if engine is None:
-            if device.type == "cuda":
-                from fxckpt.runtime.cuda_engine import CudaEngine  # imports fxckpt._cuda
-
-                engine = CudaEngine(device)
-            elif device.type == "cpu":
-                engine = CpuEngine(device)
-            else:
-                raise RuntimeCopyError(
-                    f"fxckpt: offloading from {device.type!r} tensors is not supported; "
-                    "only cuda and cpu have copy engines"
-                )
-            _engines[device] = engine
+            engine = new_engine(device, streams)
+            _engines[(device, streams)] = engine
         return engine
+
+
+def new_engine(device: torch.device, streams: int) -> Engine:
+    """A fresh engine of the kind ``device`` needs (tests replace this to run the CUDA engine
+    against a recording double)."""
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"copy_streams must be an int >= 1, got {streams!r}")
+    if device.type == "cuda":
+        from fxckpt.runtime.cuda_engine import CudaEngine  # imports fxckpt._cuda
+
+        return CudaEngine(device, streams)
+    if device.type == "cpu":
+        return CpuEngine(device, streams)
+    raise RuntimeCopyError(
+        f"fxckpt: offloading from {device.type!r} tensors is not supported; "
+        "only cuda and cpu have copy engines"
+    )
 
 
 def read_timings() -> None:

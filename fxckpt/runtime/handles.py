@@ -15,8 +15,7 @@ import torch
 
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import disk
-from fxckpt.runtime.engine import Transfer, get_engine
-from fxckpt.runtime.pool import get_pool
+from fxckpt.runtime.engine import Transfer
 
 RECORDS: dict[int, Transfer] = {}
 # Handle id -> address of its handle tensor. Handles are host memory (an explicit CPU tensor
@@ -65,17 +64,20 @@ def _release(hid: int) -> None:
     rec = RECORDS.pop(hid, None)
     if rec is None:
         return
+    # The profile's engine and pool exist already (the offload used them): the lookups
+    # below are dict reads.
+    profile = rec.profile
     if rec.disk is not None:
-        get_engine(rec.device).release(rec)
+        profile.engine(rec.device).release(rec)
         disk.release(rec)  # lock-free too; the file goes at the tier's next step
         return
-    pending = get_engine(rec.device).release(rec) if rec.host is not None else ()
+    pending = profile.engine(rec.device).release(rec) if rec.host is not None else ()
     rec.kept = None
     if rec.host is not None:
         # The record lets go first: a buffer the pool could free while the record still
         # held it would outlive the pool's accounting.
         host, rec.host = rec.host, None
-        get_pool(rec.device.type).release(host, pending)
+        profile.pool(rec.device.type).release(host, pending)
 
 
 def lookup(handle: torch.Tensor) -> Transfer:

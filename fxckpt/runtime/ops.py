@@ -4,8 +4,11 @@ Cached compiled graphs call these without running the partitioner, so registerin
 need nothing but this package. Registration creates no stream, thread, CUDA context or
 pinned buffer; those appear at the first real call.
 
-Each op names its transfer by a handle (:mod:`fxckpt.runtime.handles`). The ops for a bucket of
-tensors copied together live in :mod:`fxckpt.runtime.bucket_ops`.
+Each op names its transfer by a handle (:mod:`fxckpt.runtime.handles`). The ops that start a
+transfer also name the runtime profile of the graph's compile (:mod:`fxckpt.runtime.profiles`:
+its copy streams, host pool and disk folder), by a key the graph carries as a constant; the
+later ops find it on the handle's record. The ops for a bucket of tensors copied together live
+in :mod:`fxckpt.runtime.bucket_ops`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import bucket_ops, disk, stats
+from fxckpt.runtime import bucket_ops, disk, profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
 from fxckpt.runtime.handles import (
     RECORDS as _records,  # noqa: F401  (tests read records by handle id)
@@ -46,17 +49,19 @@ _span = span_of
 @torch.library.custom_op(
     "fxckpt::offload",
     mutates_args=(),
-    schema="(Tensor src, int tier=0, Tensor[]? after=None) -> Tensor",
+    schema="(Tensor src, int tier=0, Tensor[]? after=None, *, str? profile=None) -> Tensor",
     tags=UNSAFE,
 )
 def offload(
-    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None
+    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None, *,
+    profile: str | None = None,
 ) -> torch.Tensor:
     """Start copying ``src`` to host memory; returns the handle that names the copy.
 
     ``tier`` 1 sends it on to a file in ``offload_dir`` (the plan's ``offload → disk``).
     ``after``, here and in every op below: tensors the op must run after, for ordering only
     (see :func:`fxckpt.passes.schedule.pin_positions`); the op does not read them.
+    ``profile``: the key of the compile's runtime settings (``None``: the defaults).
     """
     if src.layout != torch.strided:
         raise RuntimeCopyError(f"fxckpt::offload needs a strided tensor, got {src.layout}")
@@ -68,6 +73,7 @@ def offload(
         dtype=src.dtype,
         device=src.device,
         nbytes=nbytes,
+        profile=profiles.lookup(profile),
     )
     if rec.nbytes:
         span_t = as_span(src, span)
@@ -82,7 +88,8 @@ def offload(
 
 @offload.register_fake
 def _(
-    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None
+    src: torch.Tensor, tier: int = 0, after: Sequence[torch.Tensor] | None = None, *,
+    profile: str | None = None,
 ) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 

@@ -1,7 +1,12 @@
 """Host buffers for offloaded activations: size classes, free lists, reuse after completion.
 
-One pool per device type: pinned buffers for ``cuda``, ordinary ones for ``cpu``. A buffer is
-a 1-D ``uint8`` CPU tensor whose length is a size class; callers use a prefix of it.
+Pinned buffers for ``cuda``, ordinary ones for ``cpu``. A buffer is a 1-D ``uint8`` CPU tensor
+whose length is a size class; callers use a prefix of it.
+
+Pools are per device type and owner. Each runtime profile with a host budget owns pools of its
+own, capped at that budget, so the budgets of models compiled with different settings add up
+instead of one replacing the other. The profiles without one share one uncapped pool per
+device type (``SHARED``): nothing to keep apart there, and page-locked slabs are costly to make.
 
 Size classes: requests up to 4 KiB get 4 KiB. Above that, every power-of-two interval
 (2**k, 2**(k+1)] is cut into 4 equal steps of 2**(k-2), and a request rounds up to the next
@@ -23,11 +28,15 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from fxckpt.runtime import stats
 from fxckpt.runtime.slabs import Slabs, unlock_all, whole_pages
+
+if TYPE_CHECKING:
+    from fxckpt.runtime.staging import Staging
 
 MIN_CLASS_BYTES = 4096
 SUBCLASSES_PER_OCTAVE = 4
@@ -80,6 +89,8 @@ class HostPool:
         self._staging = Slabs() if pinned else None
         self._staging_free: dict[int, list[torch.Tensor]] = {}
         self._staging_out = 0
+        self.warned = False  # the one-time fallback warning (warn_fallback)
+        self.staging: Staging | None = None  # the disk tier's slots (staging.staging_of)
         # Addresses of the buffers this pool holds, so a memory meter can tell host buffers
         # from device tensors where both are CPU memory (an unpinned pool; slabs are mmap'd
         # pages, which torch's CPU allocator never reports).
@@ -336,51 +347,70 @@ def _forget(held: list[int], pinned: bool, slab_lists: list[list]) -> None:
             unlock_all(slabs)
 
 
-_pools: dict[str, HostPool] = {}
+SHARED = ""  # the owner of the pools that serve every profile without a host budget
+PINNED_TYPES = {"cuda"}  # device types whose host buffers are page-locked
+
+_pools: dict[tuple[str, str], HostPool] = {}
 _pools_lock = threading.Lock()
-_cap: int | None = None
-_warned = False
+_shared_cap: int | None = None
 
 
-def get_pool(device_type: str) -> HostPool:
-    """The pool serving offloads from ``device_type``, created on first use."""
-    pool = _pools.get(device_type)
+def get_pool(device_type: str, owner: str = SHARED, cap: int | None = None) -> HostPool:
+    """The pool serving offloads from ``device_type`` for ``owner`` (a runtime profile's key,
+    or ``SHARED``), created on first use; an owned pool is capped at ``cap`` for life."""
+    pool = _pools.get((device_type, owner))
     if pool is not None:
         return pool
     with _pools_lock:
-        pool = _pools.get(device_type)
+        pool = _pools.get((device_type, owner))
         if pool is None:
-            pool = HostPool(pinned=device_type == "cuda", max_bytes=_cap)
-            _pools[device_type] = pool
+            pool = HostPool(pinned=device_type in PINNED_TYPES,
+                            max_bytes=_shared_cap if owner == SHARED else cap)
+            _pools[(device_type, owner)] = pool
         return pool
 
 
 def host_buffer_ptrs(device_type: str) -> set[int]:
-    """Addresses of the host buffers the pool for ``device_type`` holds (empty if none)."""
-    pool = _pools.get(device_type)
-    if pool is None:
-        return set()
-    with pool._lock:  # acquire and trim change the set under this lock
-        return set(pool.ptrs)
+    """Addresses of the host buffers every pool for ``device_type`` holds (empty if none)."""
+    found: set[int] = set()
+    for (kind, _), pool in list(_pools.items()):
+        if kind == device_type:
+            with pool._lock:  # acquire and trim change the set under this lock
+                found |= pool.ptrs
+    return found
+
+
+def pools() -> list[HostPool]:
+    """Every host pool made so far."""
+    return list(_pools.values())
+
+
+def trim_all() -> int:
+    """Free every idle buffer of every pool; returns the bytes given back (tests and
+    benchmarks: a high-water mark measured from an empty start)."""
+    return sum(p.trim() for p in pools())
 
 
 def set_pool_cap(max_bytes: int | None) -> None:
-    """Cap the bytes each host pool may hold (``None``: no cap); re-arms the fallback warning."""
-    global _cap, _warned
+    """Cap the shared pools, those of the profiles without a host budget (``None``: no cap),
+    and re-arm their fallback warning. For tests and benchmarks: a compile's ``host_budget``
+    caps its own profile's pools instead."""
+    global _shared_cap
     if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
         raise ValueError(f"pool cap must be None or a byte count >= 0, got {max_bytes!r}")
     with _pools_lock:
-        _cap = max_bytes
-        _warned = False
-        for pool in _pools.values():
-            pool.set_cap(max_bytes)
+        _shared_cap = max_bytes
+        for (_, owner), pool in _pools.items():
+            if owner == SHARED:
+                pool.warned = False
+                pool.set_cap(max_bytes)
 
 
-def warn_fallback(reason: str, what: str) -> None:
-    """Warn, once per :func:`set_pool_cap`, that an activation (``what``) stays on the device."""
-    global _warned
+def warn_fallback(pool: HostPool, reason: str, what: str) -> None:
+    """Warn, once per pool (and per :func:`set_pool_cap`), that an activation (``what``)
+    stays on the device because ``pool`` had no buffer for it."""
     with _pools_lock:
-        first, _warned = not _warned, True
+        first, pool.warned = not pool.warned, True
     if not first:
         return
     warnings.warn(

@@ -1,7 +1,8 @@
 """Moving one transfer's bytes: to the host pool or the disk tier, back, and the joins between.
 
 The ops (``ops.py`` for one tensor, ``bucket_ops.py`` for a bucket) build a
-:class:`~fxckpt.runtime.engine.Transfer` and call these; the engine does the copies.
+:class:`~fxckpt.runtime.engine.Transfer` for the runtime profile the graph names and call
+these; that profile's engine does the copies, into its host pool and its disk folder.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import disk, stats
-from fxckpt.runtime.engine import Transfer, get_engine
-from fxckpt.runtime.pool import PoolExhausted, get_pool, warn_fallback
+from fxckpt.runtime.engine import Transfer
+from fxckpt.runtime.pool import PoolExhausted, warn_fallback
+from fxckpt.runtime.staging import staging_of
 
 # Every op is tagged cudagraph_unsafe: Inductor's graph partitioning (torch >= 2.11) then runs
 # it between captured regions, never inside one, and without partitioning skips CUDA graphs
@@ -31,9 +33,9 @@ def as_span(src: torch.Tensor, span: int) -> torch.Tensor:
 
 def to_disk(rec: Transfer, src: torch.Tensor, span_t: torch.Tensor) -> bool:
     """Start ``rec`` on its way to the disk tier; False: it goes to host memory instead."""
-    if disk.current() is None:
-        disk.warn_once("a plan sent an activation to the disk tier, but no offload_dir is set "
-                       "in this process; it goes to host memory instead")
+    if rec.profile.disk is None:
+        disk.warn_once(rec, "a plan sent an activation to the disk tier, but its runtime "
+                       "profile has no offload_dir; it goes to host memory instead")
         return False
     rec.src = src
     try:
@@ -53,17 +55,19 @@ def to_host(rec: Transfer, src: Any, spans: list[torch.Tensor]) -> None:
     keep its ``spans`` on the device if no buffer is left. ``src``: what must stay alive
     until the copy has read it (the source tensor, or a bucket's list of them)."""
     device = spans[0].device
+    pool = rec.profile.pool(device.type)
     try:
         try:
-            host = get_pool(device.type).acquire(rec.nbytes)
+            host = pool.acquire(rec.nbytes)
         except PoolExhausted:
-            waited = disk.wait_for_staging()  # the disk tier's writes give their buffers back
+            # the disk tier's writes give their buffers back
+            waited = disk.wait_for_staging(staging_of(pool))
             if not waited:
                 raise
             stats.add("stall_seconds", waited)
-            host = get_pool(device.type).acquire(rec.nbytes)
+            host = pool.acquire(rec.nbytes)
     except PoolExhausted as why:
-        warn_fallback(str(why), rec.describe())
+        warn_fallback(pool, str(why), rec.describe())
         stats.record_fallback(rec.nbytes)
         rec.kept = spans
         return
@@ -71,9 +75,9 @@ def to_host(rec: Transfer, src: Any, spans: list[torch.Tensor]) -> None:
     rec.src = src
     try:
         copies = [(s.view(torch.uint8), h) for s, h in zip(spans, rec.host_views(host), strict=True)]
-        get_engine(device).start_offload(rec, copies)
+        rec.profile.engine(device).start_offload(rec, copies)
     except Exception as err:
-        get_pool(device.type).release(host)
+        pool.release(host)
         raise RuntimeCopyError(
             f"fxckpt: could not start offloading {rec.describe()}: {err!r}"
         ) from err
@@ -83,7 +87,7 @@ def to_host(rec: Transfer, src: Any, spans: list[torch.Tensor]) -> None:
 def join(rec: Transfer) -> None:
     """Make compute wait until ``rec``'s device-to-host copy is done."""
     if rec.host is not None or rec.disk is not None:
-        stalled = get_engine(rec.device).finish_offload(rec)
+        stalled = rec.profile.engine(rec.device).finish_offload(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
 
@@ -102,7 +106,7 @@ def start_prefetch(rec: Transfer) -> None:
         return
     if rec.host is None or rec.dev is not None:
         return  # kept on the device, empty, or already in flight / landed
-    get_engine(rec.device).start_prefetch(rec)
+    rec.profile.engine(rec.device).start_prefetch(rec)
     stats.add("prefetched_bytes", rec.nbytes)
 
 
@@ -118,7 +122,7 @@ def restore(rec: Transfer) -> list[torch.Tensor]:
             span, stalled = disk.finish_prefetch(rec)
             spans = [span]
         else:
-            spans, stalled = get_engine(rec.device).finish_prefetch(rec)
+            spans, stalled = rec.profile.engine(rec.device).finish_prefetch(rec)
         if stalled:
             stats.add("stall_seconds", stalled)
         return spans

@@ -13,15 +13,17 @@ from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import engine, ops, pool, stats
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 
 
 @pytest.fixture(autouse=True)
 def _clean_runtime():
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
     stats.reset()
     yield
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
 
 

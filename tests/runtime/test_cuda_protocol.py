@@ -17,6 +17,7 @@ import torch
 from cuda_double import FakeCuda
 
 from fxckpt.runtime import engine, ops, pool, stats
+from fxckpt.runtime.settings import RuntimeSettings
 
 OPS = torch.ops.fxckpt
 DEV = torch.device("cpu")  # the double's "device": CudaEngine runs on it unchanged
@@ -216,15 +217,40 @@ def test_an_exception_mid_step_gives_every_buffer_and_block_back(hw):
 
 
 def test_copy_streams_are_dedicated_and_made_once_per_slot(hw):
-    engine.configure(copy_streams=2)
+    two = RuntimeSettings(copy_streams=2).key()
     for seed in range(4):
         src = produce(hw, seed=seed)
-        h = OPS.offload(src)
+        h = OPS.offload(src, profile=two)
         OPS.offload_done(h, src)
         restore(h, src)
     names = {c[1] for c in hw.calls if c[0] == "wait_stream"}
     assert names == {"copy0@cpu", "copy1@cpu", "copy2@cpu", "copy3@cpu"}
     assert len(hw.streams) == 5  # the compute stream and four copy streams, no more
+
+
+def test_profiles_of_two_stream_counts_interleave_race_free_on_their_own_engines(hw):
+    # One model on one copy stream per direction, another on three, steps interleaved: each
+    # transfer keeps every ordering rule on the streams of its own engine.
+    three = RuntimeSettings(copy_streams=3).key()
+    srcs = [produce(hw, 256 + 64 * i, seed=i) for i in range(6)]
+    want = [s.clone() for s in srcs]
+    keys = [None if i % 2 == 0 else three for i in range(6)]
+    handles = [OPS.offload(s, profile=k) for s, k in zip(srcs, keys, strict=True)]
+    hw.kernel("forward rest", reads=srcs)
+    for h, s in zip(handles, srcs, strict=True):
+        OPS.offload_done(h, s)
+    for s in srcs:
+        hw.kernel("in-place reuse", writes=[s])
+    for h, w in zip(reversed(handles), reversed(want), strict=True):
+        got = restore(h, w)
+        hw.kernel("consumer", reads=[got])
+        assert torch.equal(got, w)
+    assert hw.races == []
+    one_engine, three_engine = engine.get_engine(DEV, 1), engine.get_engine(DEV, 3)
+    assert (one_engine.streams, three_engine.streams) == (1, 3)
+    used = {c[1] for c in hw.calls if c[0] == "wait_stream"}
+    # the one-stream profile's copies use slots 0 and 1; the other's reach slot 5
+    assert used == {f"copy{slot}@cpu" for slot in range(6)}
 
 
 def test_stalls_are_timed_on_the_compute_stream_and_read_without_synchronizing(hw):

@@ -16,11 +16,13 @@ from files_double import FilesDouble
 
 from fxckpt import _files
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import disk, disk_dir, engine, ops, pool, stats
+from fxckpt.runtime import disk, disk_dir, engine, ops, pool, profiles, stats
 from fxckpt.runtime.disk import DiskTierWarning
 from fxckpt.runtime.pool import HostMemoryWarning
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 
 
 @pytest.fixture
@@ -34,7 +36,7 @@ def files(monkeypatch: pytest.MonkeyPatch) -> FilesDouble:
 def where(tmp_path, files: FilesDouble, monkeypatch: pytest.MonkeyPatch) -> Iterator[disk_dir.DiskDir]:
     engine.configure()
     pool.set_pool_cap(None)
-    monkeypatch.setattr(disk, "_current", None)
+    monkeypatch.setattr(profiles.default(), "disk", None)
     found = disk.use_directory(str(tmp_path))
     stats.reset()
     yield found
@@ -188,8 +190,8 @@ def test_no_staging_to_be_had_keeps_the_tensor_on_the_device(where: disk_dir.Dis
 def test_a_disk_tier_op_without_a_directory_goes_to_host_memory_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(disk, "_current", None)
-    monkeypatch.setattr(disk, "_warned", False)
+    monkeypatch.setattr(profiles.default(), "disk", None)
+    monkeypatch.setattr(profiles.default(), "disk_warned", False)
     srcs = [torch.randn(100), torch.randn(200)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -25,14 +25,13 @@ TESTS = [ROOT / "tests" / "runtime" / n for n in ("test_disk.py", "test_disk_pro
 # (rule, [(file, line as written, occurrence, replacement), ...])
 MUTANTS: list[tuple[str, list[tuple[str, str, int, str]]]] = [
     ("W1 the write waits for the device-to-host copy (CPU)",
-     [("runtime/disk.py", "get_engine(rec.device).wait_copied(d2h, rec)  # W1", 1, "pass")]),
+     [("runtime/disk.py", "rec.profile.engine(rec.device).wait_copied(d2h, rec)  # W1", 1, "pass")]),
     ("W1 the write waits for the device-to-host copy (CUDA)",
      [("runtime/cuda_engine.py", "d2h.synchronize()", 1, "pass")]),
     ("W2 the staging buffer goes back only after the write",
      [("runtime/disk.py", "_write_file(rec, copy)", 1,
-       "_give_back(rec.device.type, [copy.buf]); _write_file(rec, copy)"),
-      ("runtime/disk.py", "_staging.give(rec.device.type, held)  # W2", 1,
-       "_staging.give(rec.device.type, [])")]),
+       "_give_back(rec.profile.pool(rec.device.type), [copy.buf]); _write_file(rec, copy)"),
+      ("runtime/disk.py", "_staging(rec).give(held)  # W2", 1, "_staging(rec).give([])")]),
     ("R1 the read waits for the write",
      [("runtime/disk.py", "copy.written.exception()  # R1", 1, "pass")]),
     ("R2 the staging buffer of a read goes back after its copy to the device (CUDA)",
@@ -43,12 +42,13 @@ MUTANTS: list[tuple[str, list[tuple[str, str, int, str]]]] = [
     ("F1 the file goes when the handle dies",
      [("runtime/disk.py", "_files.FILES.remove(copy.path)  # F1", 1, "pass")]),
     ("a failed write keeps its buffer as the host copy",
-     [("runtime/disk.py", "_staging.give(rec.device.type, [])  # the buffer stays", 1,
-       "_staging.give(rec.device.type, [copy.buf])")]),
+     [("runtime/disk.py", "_staging(rec).give([])  # the buffer stays", 1,
+       "_staging(rec).give([copy.buf])")]),
     ("the source stays referenced until its copy was waited for",
      [("runtime/transfer.py", "rec.src = src", 1, "pass")]),
     ("the host tier waits for staging before it falls back",
-     [("runtime/transfer.py", "waited = disk.wait_for_staging()", 1, "waited = 0.0")]),
+     [("runtime/transfer.py", "waited = disk.wait_for_staging(staging_of(pool))", 1,
+       "waited = 0.0")]),
 ]
 
 

@@ -19,9 +19,9 @@ import torch
 from cuda_double import FakeCuda
 from files_double import FilesDouble
 
-from fxckpt import _cuda, _files
-from fxckpt.runtime import disk, disk_dir, engine, pool, stats
-from fxckpt.runtime.cuda_engine import CudaEngine
+from fxckpt import _files
+from fxckpt.runtime import disk, disk_dir, engine, profiles, stats
+from runtime.conftest import install_double
 
 OPS = torch.ops.fxckpt
 DEV = torch.device("cpu")  # the double's "device": CudaEngine runs on it unchanged
@@ -29,21 +29,17 @@ DEV = torch.device("cpu")  # the double's "device": CudaEngine runs on it unchan
 
 @pytest.fixture
 def hw(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[FakeCuda]:
-    double = FakeCuda()
+    double = install_double(monkeypatch)
     files = FilesDouble()
     files.hw = double
-    monkeypatch.setattr(_cuda, "CUDA", double)
     monkeypatch.setattr(_files, "FILES", files)
-    engine.configure(copy_streams=1)
-    monkeypatch.setitem(engine._engines, DEV, CudaEngine(DEV))
-    monkeypatch.setitem(pool._pools, "cpu", pool.HostPool(pinned=True))
-    monkeypatch.setattr(disk, "_current", None)
+    monkeypatch.setattr(profiles.default(), "disk", None)
     disk.configure(inline=True)
     disk.use_directory(str(tmp_path))
     stats.reset()
     yield double
     disk.configure(inline=False)
-    engine.configure(copy_streams=1)
+    engine.configure()
     gc.collect()
     disk.collect()
     disk_dir.close_all()

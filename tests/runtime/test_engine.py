@@ -16,18 +16,22 @@ import torch
 
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import engine, ops, pool, stats
+from fxckpt.runtime.settings import RuntimeSettings
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 RUNTIME = Path(ops.__file__).parent
+TWO_STREAMS = RuntimeSettings(copy_streams=2).key()
 
 
 @pytest.fixture(autouse=True)
 def _clean_runtime():
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
     stats.reset()
     yield
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
 
 
@@ -123,7 +127,7 @@ def test_shutdown_cancels_queued_copies_into_errors_not_hangs():
 
 
 def test_concurrent_round_trips_from_two_threads_are_exact():
-    engine.configure(copy_delay_s=0.0005, copy_streams=2, poison_fresh=True)
+    engine.configure(copy_delay_s=0.0005, poison_fresh=True)
     errors: list[str] = []
 
     def worker(seed: int) -> None:
@@ -131,7 +135,7 @@ def test_concurrent_round_trips_from_two_threads_are_exact():
         for i in range(100):
             base = torch.randn(40 + i % 7, 24, generator=gen)
             src = base[1:, 2:] if i % 2 else base.t()
-            h = OPS.offload(src)
+            h = OPS.offload(src, profile=TWO_STREAMS)
             OPS.offload_done(h, src)
             OPS.prefetch(h)
             if not torch.equal(_wait(h, src), src):
@@ -149,31 +153,36 @@ def test_concurrent_round_trips_from_two_threads_are_exact():
     assert snap["offloaded_bytes"] == snap["prefetched_bytes"] > 0
 
 
-def test_copy_streams_sets_the_worker_count():
+def test_a_profiles_copy_streams_set_its_engines_worker_count():
     engine.shutdown_all()
-    engine.configure(copy_streams=3, copy_delay_s=0.05)
+    engine.configure(copy_delay_s=0.05)
     srcs = [torch.randn(16) for _ in range(3)]
-    handles = [OPS.offload(s) for s in srcs]
-    names = {t.name for t in threading.enumerate() if t.name.startswith("fxckpt-d2h")}
+    three = RuntimeSettings(copy_streams=3).key()
+    handles = [OPS.offload(s, profile=three) for s in srcs]
+    names = {t.name for t in threading.enumerate() if t.name.startswith("fxckpt-d2h-3")}
     assert len(names) == 3
+    assert engine.get_engine("cpu", 3).streams == 3
     for h, s in zip(handles, srcs, strict=True):
         assert torch.equal(_wait(h, s), s)
 
 
-def test_set_copy_streams_keeps_injected_faults():
+def test_engines_of_two_stream_counts_run_side_by_side_with_the_injected_faults():
     engine.configure(copy_delay_s=0.01, fail_next_copies=1)
-    engine.set_copy_streams(2)
     src = torch.randn(8)
-    h = OPS.offload(src)
+    h = OPS.offload(src, profile=TWO_STREAMS)
     with pytest.raises(RuntimeCopyError, match="injected"):
         _in_thread(lambda: _wait(h, src))
-    with pytest.raises(ValueError, match="copy_streams"):
-        engine.set_copy_streams(0)
+    one, two = OPS.offload(src), OPS.offload(src, profile=TWO_STREAMS)
+    assert (ops._records[int(one)].profile.settings.copy_streams,
+            ops._records[int(two)].profile.settings.copy_streams) == (1, 2)
+    assert torch.equal(_in_thread(lambda: _wait(one, src)), src)
+    assert torch.equal(_in_thread(lambda: _wait(two, src)), src)
+    assert engine.get_engine("cpu", 1) is not engine.get_engine("cpu", 2)
 
 
 def test_configure_rejects_nonsense():
     with pytest.raises(ValueError, match="copy_streams"):
-        engine.configure(copy_streams=0)
+        engine.get_engine("cpu", 0)
     with pytest.raises(ValueError):
         engine.configure(copy_delay_s=-1)
 
@@ -183,9 +192,10 @@ def test_unsupported_device_is_a_clear_error():
         engine.get_engine("meta")
 
 
-def test_one_engine_per_device():
-    assert engine.get_engine("cpu") is engine.get_engine(torch.device("cpu"))
+def test_one_engine_per_device_and_stream_count():
+    assert engine.get_engine("cpu") is engine.get_engine(torch.device("cpu"), 1)
     assert isinstance(engine.get_engine("cpu"), engine.CpuEngine)
+    assert engine.get_engine("cpu", 2) is engine.get_engine("cpu", 2) is not engine.get_engine("cpu")
 
 
 def test_importing_the_ops_creates_nothing():
@@ -209,7 +219,8 @@ def test_importing_the_ops_creates_nothing():
 
 
 def test_runtime_imports_only_errors_and_the_hardware_seams_from_the_rest_of_fxckpt():
-    # The seams: fxckpt._cuda (the GPU) and fxckpt._files (the disk tier's files).
+    # The seams: fxckpt._cuda (the GPU), fxckpt._files (the disk tier's files),
+    # fxckpt._link (the emulated host link) and fxckpt._host (the host's memory).
     for path in sorted(RUNTIME.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -223,7 +234,8 @@ def test_runtime_imports_only_errors_and_the_hardware_seams_from_the_rest_of_fxc
                 continue
             for name in names:
                 if name == "fxckpt" or name.startswith("fxckpt."):
-                    assert name in ("fxckpt.errors", "fxckpt._cuda", "fxckpt._files") or name.startswith(
+                    assert name in ("fxckpt.errors", "fxckpt._cuda", "fxckpt._files",
+                                    "fxckpt._link", "fxckpt._host") or name.startswith(
                         "fxckpt.runtime"
                     ), (
                         f"{path.name} imports {name}"

@@ -12,15 +12,17 @@ from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import engine, ops, pool, stats
 
 OPS = torch.ops.fxckpt
+# Every test here runs at memcpy speed and through an emulated link (conftest.py).
+pytestmark = pytest.mark.usefixtures("link_mode")
 
 
 @pytest.fixture(autouse=True)
 def _clean_runtime():
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
     stats.reset()
     yield
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
 
 
@@ -51,13 +53,13 @@ CASES = {
 
 def test_schemas_are_the_contract():
     assert [str(op._schema) for op in ops.OPS] == [
-        "fxckpt::offload(Tensor src, int tier=0, Tensor[]? after=None) -> Tensor",
+        "fxckpt::offload(Tensor src, int tier=0, Tensor[]? after=None, *, str? profile=None) -> Tensor",
         "fxckpt::offload_done(Tensor handle, Tensor keepalive, Tensor[]? after=None) -> Tensor",
         "fxckpt::prefetch(Tensor handle, Tensor[]? after=None) -> Tensor",
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
         "Device device, Tensor[]? after=None) -> Tensor",
         "fxckpt::note_saved(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
-        "fxckpt::offload_many(Tensor[] srcs, Tensor[]? after=None) -> Tensor",
+        "fxckpt::offload_many(Tensor[] srcs, Tensor[]? after=None, *, str? profile=None) -> Tensor",
         "fxckpt::offload_many_done(Tensor handle, Tensor[] keepalive, Tensor[]? after=None) -> Tensor",
         "fxckpt::wait_many(Tensor handle, Tensor ticket, SymInt[] sizes, SymInt[] strides, "
         "int[] ranks, ScalarType dtype, Device device, Tensor[]? after=None) -> Tensor[]",

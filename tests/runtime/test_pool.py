@@ -21,11 +21,11 @@ OPS = torch.ops.fxckpt
 
 @pytest.fixture(autouse=True)
 def _clean_runtime():
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
     stats.reset()
     yield
-    engine.configure(copy_streams=1)
+    engine.configure()
     pool.set_pool_cap(None)
 
 
