@@ -1,5 +1,5 @@
 """Benchmarks: side-by-side runs that print ratios against a baseline of the same run.
 
-Never run as tests (DESIGN.md §5); ``tests/test_benchmarks_cli.py`` only checks that each
+Never run as tests; ``tests/test_benchmarks_cli.py`` only checks that each
 script imports and answers ``--help``. See ``docs/benchmarks.md``.
 """

@@ -2,7 +2,7 @@
 
     python -m benchmarks.cpu_goal --json docs/benchmarks/cpu_goal.json --docs
 
-On the decoder of ANCHORS.md (d=256, 8 blocks, 4 x 512 tokens, fp32), ``memory_budget`` is
+On the CPU benchmark's decoder (d=256, 8 blocks, 4 x 512 tokens, fp32), ``memory_budget`` is
 set to the bytes that eager per-block checkpointing (``full_checkpoint``) leaves resident after
 its forward, measured by fxckpt's meter in the same run. Then, side by side, in rotated
 rounds (``cpu_bench.run_suite``: the methods take turns, each round in another order):

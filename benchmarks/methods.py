@@ -57,7 +57,7 @@ class DecoderConfig:
         )
 
 
-# The CPU benchmark's decoder (ANCHORS.md measured d=256, 8 blocks; quick mode is smaller).
+# The CPU benchmark's decoder (d=256, 8 blocks; quick mode is smaller).
 GPT_SMALL = DecoderConfig("gpt-small", vocab=2048, d=256, heads=4, layers=8, ffn=1024)
 GPT_QUICK = DecoderConfig("gpt-quick", vocab=1024, d=192, heads=4, layers=6, ffn=768)
 # Qwen3-1.7B's shapes (config.json of Qwen/Qwen3-1.7B); gpu_check trims the layer count.

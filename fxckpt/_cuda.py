@@ -99,7 +99,7 @@ class TorchCuda:
 
         An anonymous private mapping is page-aligned, and the driver's ``cuMemHostRegister``
         pins exactly its pages; ``torch.empty(pin_memory=True)`` would round the request up
-        to a power of two (HOST_MEMORY_NOTES.md). Registered memory reports ``is_pinned()``,
+        to a power of two. Registered memory reports ``is_pinned()``,
         so copies from it are truly asynchronous.
 
         The driver, not the runtime: a failed ``cudaHostRegister`` leaves the runtime's

@@ -6,6 +6,7 @@ may move again; when they do, this is the only file to change.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -98,6 +99,22 @@ def min_cut_without_cse(
 
     with config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def min_cut_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The keyword arguments a partitioner received that min-cut takes, and the names of the
+    others.
+
+    A partitioner is called with whatever the calling torch passes: 2.11 to 2.15 pass
+    ``num_fwd_outputs``, ``static_lifetime_input_indices`` and (Inductor) ``compiler``; newer
+    ones may add metadata such as ``fw_metadata`` (pytorch#174823). min-cut's signature names
+    what it takes; one that takes ``**kwargs`` takes everything.
+    """
+    params = inspect.signature(min_cut_rematerialization_partition).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs), []
+    taken = {k: v for k, v in kwargs.items() if k in params}
+    return taken, sorted(k for k in kwargs if k not in params)
 
 
 def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
@@ -203,6 +220,18 @@ def outside_fake_mode() -> Any:
     return _disable_current_modes()
 
 
+OpOverload = torch._ops.OpOverload  # an aten/custom op at one overload: FX call targets
+
+
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no real storage: a FakeTensor (or a functional wrapper of one), as a
+    compiled submodule receives when dynamo's DDP optimizer runs it to propagate shapes
+    (``torch._subclasses.fake_tensor.is_fake``, in 2.11 to 2.15)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
 def register_backend_name(name: str, target: str) -> None:
     """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
     where no installed entry point has claimed the name yet: running from a source tree.
@@ -258,8 +287,13 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 
 
 def start_memory_events() -> None:
-    """Start recording the calling thread's allocator events (raises if a profiler is on)."""
+    """Start recording the calling thread's allocator events (raises if a profiler is on).
+
+    The profiler's start and stop lines on stderr are dropped (:mod:`fxckpt._profiler_log`).
+    """
     from torch._C import _autograd, _profiler
+
+    from fxckpt._profiler_log import quiet_trace_lines
 
     config = _profiler.ProfilerConfig(
         _profiler.ProfilerState.KINETO,
@@ -271,9 +305,10 @@ def start_memory_events() -> None:
         _profiler._ExperimentalConfig(),
     )
     activities = {_profiler.ProfilerActivity.CPU}
-    _autograd._prepare_profiler(config, activities)
-    # The stub omits the scopes argument the binding takes.
-    _autograd._enable_profiler(config, activities, {_profiler.RecordScope.STATIC_RUNTIME_MODEL})  # type: ignore[call-arg]
+    with quiet_trace_lines():
+        _autograd._prepare_profiler(config, activities)
+        # The stub omits the scopes argument the binding takes.
+        _autograd._enable_profiler(config, activities, {_profiler.RecordScope.STATIC_RUNTIME_MODEL})  # type: ignore[call-arg]
 
 
 def stop_memory_events() -> list[tuple[int, int, int, str]]:
@@ -284,9 +319,12 @@ def stop_memory_events() -> list[tuple[int, int, int, str]]:
     """
     from torch._C import _autograd, _profiler
 
-    result = _autograd._disable_profiler()
+    from fxckpt._profiler_log import quiet_trace_lines
+
+    with quiet_trace_lines():
+        result = _autograd._disable_profiler()
+        stack = list(result.experimental_event_tree())
     events = []
-    stack = list(result.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
@@ -318,6 +356,7 @@ __all__ = [
     "make_graph_module",
     "make_boxed_func",
     "profiler_enabled",
+    "min_cut_keywords",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",
     "outside_fake_mode",
@@ -378,7 +417,8 @@ def size_hint(value: Any, fallback: int) -> int:
         return int(value)
     from torch.fx.experimental import symbolic_shapes as ss
 
-    for name in ("optimization_hint", "hint_int"):  # 2.13 name, then the 2.11 one
+    # 2.13's name, then 2.11's (whose hint_int is a deprecated alias that warns).
+    for name in ("optimization_hint", "size_hint"):
         fn = getattr(ss, name, None)
         if fn is not None:
             return int(fn(value, fallback=fallback))

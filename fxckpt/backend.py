@@ -81,6 +81,11 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
         from fxckpt.passes import step_budget
 
         ticket = step_budget.current()
+        # Each min-cut run gets what it takes of the rest; fxckpt reads none of the others
+        # (newer torch may pass metadata such as fw_metadata, pytorch#174823).
+        passed, unused = compat.min_cut_keywords(kwargs)
+        if unused:
+            log.debug("fxckpt: partitioner arguments min-cut does not take: %s", unused)
         return partition(
             gm,
             joint_inputs,
@@ -89,7 +94,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
             num_fwd_outputs=num_fwd_outputs,
             record=record_plan,
             inductor=compiler == "inductor",
-            **kwargs,
+            **passed,
         )
 
     def uuid(self) -> str:

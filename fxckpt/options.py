@@ -235,7 +235,7 @@ def _parse_dir(value: Any) -> str | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """Every fxckpt option, validated and normalised on construction (see DESIGN.md §1).
+    """Every fxckpt option, validated and normalised on construction (docs/options.md).
 
     After ``__post_init__``: ``memory_budget`` is ``None``, a positive int of bytes, a float in
     (0, 1] or ``"auto"``; ``segment_width`` is an int ≤ ``segment_stride``; byte options are

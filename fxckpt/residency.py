@@ -17,7 +17,8 @@ largest tensors the plan did not count. Later calls go straight through.
 The check reads real tensors, never the plan's figures, and costs one hook call per saved
 tensor, once. It stands aside where the caller has saved-tensor hooks of its own (they must
 see every tensor) or has disabled them, and under ``torch.no_grad``, and tries again at the
-next call.
+next call, and so it does for a call on fake tensors (dynamo's DDP optimizer runs each
+compiled submodule on fake inputs while it compiles the next).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxckpt._torch_compat import saved_tensors_hooks_free
+from fxckpt._torch_compat import is_fake_tensor, saved_tensors_hooks_free
 from fxckpt.runtime import stats
 from fxckpt.runtime.handles import handle_ptrs
+
+
+def _fake(args: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and is_fake_tensor(t) for t in pytree.tree_leaves(args))
 
 
 def _device_of(args: Any) -> torch.device:
@@ -84,7 +89,9 @@ def checked(
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not armed[0] or not torch.is_grad_enabled() or not saved_tensors_hooks_free():
+        if (not armed[0] or not torch.is_grad_enabled() or not saved_tensors_hooks_free()
+                or _fake((args, kwargs))):
+            # A fake call (dynamo's DDP optimizer propagating shapes) has no storages to read.
             return compiled(*args, **kwargs)
         armed[0] = False
         device = _device_of((args, kwargs))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
+    def __init__(self, d: int, heads: int, dropout: float | None) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(d, 3 * d)
@@ -39,20 +41,21 @@ class Attention(nn.Module):
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        att = F.dropout(att, self.dropout, self.training)
+        if self.dropout is not None:
+            att = F.dropout(att, self.dropout, self.training)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
+    def __init__(self, d: int, heads: int, dropout: float | None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
         self.attn = Attention(d, heads, dropout)
         self.ln2 = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(4 * d, d)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -60,10 +63,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder of the small GPT kind; ``forward(idx, targets)`` returns the loss."""
+    """A decoder of the small GPT kind; ``forward(idx, targets)`` returns the loss.
+
+    ``dropout=None`` leaves dropout out of the graph. A dropout of ``p=0`` stays in it, and
+    what it saves depends on the torch version: 2.15's decomposition returns its input, so
+    the attention probabilities are saved once; 2.11 and 2.13 save a second copy.
+    """
 
     def __init__(
-        self, vocab: int = 64, d: int = 32, heads: int = 2, n_layers: int = 4, dropout: float = 0.0
+        self, vocab: int = 64, d: int = 32, heads: int = 2, n_layers: int = 4,
+        dropout: float | None = 0.0,
     ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
@@ -211,5 +220,10 @@ def hf_zoo_model(
     return model, {"input_ids": ids, "labels": ids}
 
 
-# The conv models live with the benchmark that runs them on a GPU (one definition).
+# The conv models live with the benchmark that runs them on a GPU (one definition). Scripts
+# that import this file from a subprocess put only tests/ on sys.path: add the checkout.
+_CHECKOUT = str(Path(__file__).resolve().parent.parent)
+if _CHECKOUT not in sys.path:
+    sys.path.append(_CHECKOUT)
+
 from benchmarks.conv_case import BasicBlock, ConvBNNet, ResNet  # noqa: E402, F401

@@ -42,6 +42,47 @@ def test_gpt_with_dropout_matches_aot_eager_under_the_same_seed() -> None:
     )
 
 
+def test_the_partitioner_takes_keyword_arguments_min_cut_does_not() -> None:
+    # Newer torch may pass partitioners more metadata (fw_metadata, pytorch#174823); it must
+    # not reach min-cut, whose signature does not take it.
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from fxckpt.backend import FxckptPartitioner
+
+    inner = FxckptPartitioner(fxckpt.Options(segment_stride=1, offload="all", min_offload_bytes=0))
+    seen: list[set[str]] = []
+
+    def newer_torch(gm, joint_inputs, **kwargs):
+        seen.append(set(kwargs))
+        return inner(gm, joint_inputs, fw_metadata=object(), some_future_flag=True, **kwargs)
+
+    def boxed(gm, _):
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=newer_torch)
+    torch.manual_seed(0)
+    assert_step_matches(GPT(n_layers=2), gpt_inputs(), backend, steps=2)
+    assert seen and "num_fwd_outputs" in seen[0]
+    (plan,) = fxckpt.last_plans()
+    assert plan.offloaded_bytes > 0 and plan.recomputed_bytes > 0
+
+
+def test_min_cut_keywords_passes_all_to_a_min_cut_that_takes_any(monkeypatch) -> None:
+    from fxckpt import _torch_compat as compat
+
+    kwargs = {"num_fwd_outputs": 1, "static_lifetime_input_indices": [0], "fw_metadata": 3}
+    taken, unused = compat.min_cut_keywords(kwargs)
+    assert taken == {"num_fwd_outputs": 1, "static_lifetime_input_indices": [0]}
+    assert unused == ["fw_metadata"]
+
+    def takes_any(joint, joint_inputs, *, num_fwd_outputs, **kwargs):  # as #174823 proposed
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(compat, "min_cut_rematerialization_partition", takes_any)
+    assert compat.min_cut_keywords(kwargs) == (kwargs, [])
+
+
 @pytest.mark.slow
 @pytest.mark.inductor
 @pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2]])

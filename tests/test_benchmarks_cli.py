@@ -1,4 +1,4 @@
-"""The benchmark scripts import and answer --help; no benchmark runs here (DESIGN.md §5)."""
+"""The benchmark scripts import and answer --help; no benchmark runs here (speed and memory are measured in benchmarks/, never asserted in tests)."""
 
 from __future__ import annotations
 

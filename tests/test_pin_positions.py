@@ -8,7 +8,6 @@ import copy
 import re
 from typing import Any
 
-import pytest
 import torch
 import torch.fx as fx
 from expecttest import TestCase
@@ -84,7 +83,6 @@ def _normalise(code: str) -> str:
 
 
 class TestGoldenPinnedGraphs(TestCase):
-    @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="golden text is for torch 2.13")
     def test_forward_and_backward_code(self) -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

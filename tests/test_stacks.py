@@ -49,6 +49,15 @@ def _case(name: str) -> tuple[nn.Module, Any]:
     return hf_zoo_model(name, layers=3)  # odd: the second stack's numbers depend on the first's
 
 
+# torch 2.11's dynamo breaks Hugging Face's T5 and Whisper between the encoder and the
+# decoder: each stack is then a graph of its own, its blocks numbered from 0 there, and a
+# stride applies within each graph (docs/limitations.md). Both stacks in one graph is 2.13's.
+ONE_GRAPH = pytest.mark.skipif(
+    torch.__version__ < "2.13",
+    reason="torch 2.11 compiles the encoder and the decoder as separate graphs (a graph break)",
+)
+
+
 @functools.cache
 def _trained(name: str, blocks: str | None = None) -> tuple[fxckpt.Plan, int]:
     """One training step at segment_stride=2, equal to eager; the plan and the held bytes."""
@@ -61,7 +70,9 @@ def _trained(name: str, blocks: str | None = None) -> tuple[fxckpt.Plan, int]:
     return plan, measure_forward(compiled, inputs, warm=False).held_bytes
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=ONE_GRAPH) if n != "resnet" else n for n in CASES]
+)
 def test_every_stack_is_found_and_numbered_in_execution_order(name: str) -> None:
     plan, _ = _trained(name)
     stacks = CASES[name]
@@ -79,6 +90,7 @@ def test_every_stack_is_found_and_numbered_in_execution_order(name: str) -> None
                    for r in plan.activations), prefix  # fmt: skip
 
 
+@ONE_GRAPH
 def test_stride_over_both_stacks_holds_what_one_stack_cannot() -> None:
     # With only the decoder's blocks (the old detection, written as a regex), a stride of 2
     # leaves T5 holding more than half of aot_eager's bytes; over both stacks, under a third.
@@ -90,6 +102,7 @@ def test_stride_over_both_stacks_holds_what_one_stack_cannot() -> None:
     assert both < 0.35 * plain < 0.5 * plain < decoder_only, (both, decoder_only, plain)
 
 
+@ONE_GRAPH
 def test_a_group_without_digits_numbers_the_item_the_match_ends_in() -> None:
     # The issue's pattern: group 1 is "encoder" or "decoder"; it used to give no block an
     # index, so the stride silently did nothing. Now it numbers both stacks as detection

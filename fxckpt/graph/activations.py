@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxckpt import _torch_compat as compat
 from fxckpt.graph.blocks import BlockFacts, node_module
 from fxckpt.graph.sizes import concrete
 
@@ -75,7 +76,7 @@ class SavedActivation:
 
 def op_name(node: fx.Node) -> str:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         return f"{target._schema.name.split('::')[-1]}.{target._overloadname}"
     return getattr(target, "__name__", str(target))
 
@@ -117,7 +118,7 @@ def saved_activations(
         bw_node = bw_by_name.get(node.name)
         bw_uses = sorted(bw_position[u] for u in bw_node.users) if bw_node is not None else []
         target = node.target
-        is_view = isinstance(target, torch._ops.OpOverload) and target.is_view
+        is_view = isinstance(target, compat.OpOverload) and target.is_view
         result.append(
             SavedActivation(
                 name=node.name,
@@ -153,7 +154,7 @@ def hoist_saved_views(fw: fx.GraphModule) -> int:
     moved = 0
     for node in nodes:
         target = node.target
-        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+        if not (node.op == "call_function" and isinstance(target, compat.OpOverload)
                 and target.is_view and node.users
                 and all(u.op == "output" for u in node.users)):  # fmt: skip
             continue

@@ -10,6 +10,7 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import flop_formula
 from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
     DEFAULT_PCIE_BYTES_PER_MS,
@@ -41,7 +42,7 @@ DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
 # ``python -m benchmarks.copy_overhead`` (0.40-0.56 ms per 64 KiB round trip on two loaded
 # cores). "cuda": an estimate until ``benchmarks/copy_overhead.py`` runs on a GPU: four Python
 # custom-op dispatches (~10-20 us each) plus two cudaMemcpyAsync calls (~5-7 us each,
-# HOST_MEMORY_NOTES) and their events. Offline plans (meta) price a GPU's engine.
+# as measured for page-locked copies) and their events. Offline plans (meta) price a GPU's engine.
 COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
 
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
@@ -102,9 +103,7 @@ def _meta_args(node: torch.fx.Node, make: Callable[[Any], Any]) -> tuple[tuple, 
 
 def _on_meta(v: Any) -> Any:
     """FakeTensors count as they are; real tensors become meta tensors so nothing runs."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(v, FakeTensor) or v.device.type == "meta":
+    if compat.is_fake_tensor(v) or v.device.type == "meta":
         return v
     return v.new_empty_strided(v.shape, v.stride(), device="meta")
 
@@ -122,10 +121,9 @@ def node_flops(node: torch.fx.Node) -> float:
     """
     if node.op != "call_function" or not _is_compute(node):
         return 0.0
-    import torch
 
     formula = flop_formula(node.target)
-    if formula is None and isinstance(node.target, torch._ops.OpOverload):
+    if formula is None and isinstance(node.target, compat.OpOverload):
         return 0.0
     try:
         out = node.meta.get("val")

@@ -7,9 +7,11 @@
     4. torch min-cut       partition into forward and backward
     5. graph.activations   the saved tensors, bytes per storage, lifetimes
     6. planning rounds     passes.plan_round decides (keep / recompute / offload per
-                           storage, the blocks and single ops to recompute); this module
+                           storage, the blocks and single ops to recompute); passes.rounds
                            carries a decision out: it re-tags the joint graph and runs
-                           min-cut again, then asks the next round
+                           min-cut again, then asks the next round. Over a range of sizes
+                           fixed by mark_dynamic, passes.size_range has the rounds run again
+                           under a tighter budget until the plan holds at every size
     7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
     8. passes.saved_layout (Inductor) saved graph inputs leave in their own layout, so
                            Inductor's layout optimization saves no channels-last copy
@@ -18,13 +20,11 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import json
 import logging
 import operator
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +34,6 @@ import torch.fx as fx
 from fxckpt._torch_compat import (
     dedup_joint,
     lazy_graph_modules,
-    make_graph_module,
     min_cut_rematerialization_partition,
     min_cut_without_cse,
     trace_plan_artifact,
@@ -53,18 +52,25 @@ from fxckpt.passes import step_budget
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
-from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner, settle, timeline
+from fxckpt.passes.plan_round import Partition, RoundDecision, infeasible, settle, timeline
+from fxckpt.passes.rounds import (
+    Attempt,
+    GraphPair,
+    Rounds,
+    clone_joint,
+    if_feasible,
+    plan_rounds,
+    step,
+)
 from fxckpt.passes.saved_layout import keep_input_layouts
 from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
-from fxckpt.passes.segment import SegmentReport, segment_of, tag_recompute, tag_segments
-from fxckpt.passes.shape_budget import guard_budget, plan_for_longest, sizes_note
-from fxckpt.planning.layouts import NONE, Layout
+from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
+from fxckpt.passes.shape_budget import BudgetCheck, check_budget, plan_for_longest, sizes_note
+from fxckpt.passes.size_range import fit_range
 from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.planner import build_plan
 
 log = logging.getLogger(__name__)
-
-GraphPair = tuple[fx.GraphModule, fx.GraphModule]
 
 
 @contextlib.contextmanager
@@ -96,28 +102,6 @@ def gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-@contextlib.contextmanager
-def step(graph: str, name: str) -> Iterator[None]:
-    """Time one pipeline step and log it; every step of every graph goes through here."""
-    start = time.perf_counter()
-    yield
-    log.debug("fxckpt[%s] %-18s %.1f ms", graph, name, (time.perf_counter() - start) * 1e3)
-
-
-def clone_joint(joint: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the joint graph whose node.meta dicts can be changed independently.
-
-    min-cut rewrites tags and may replace the graph (CSE), so each run gets its own copy.
-    """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    result = graph.graph_copy(joint.graph, env)
-    old_out = joint.graph.find_nodes(op="output")[0]
-    new_out = graph.output(result)
-    new_out.meta = dict(old_out.meta)
-    return make_graph_module(joint, graph)
 
 
 def min_cut(
@@ -212,33 +196,27 @@ def partition(
         part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
     with step(graph_name, "assumptions"):
         assumed = assumptions(options, device)  # probes run once per device and process
-    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
-    search_blocks = budget is not None and not options.is_explicit("segment_stride")
-    rounds = Rounds()
-    with step(graph_name, "plan round 0"):
-        decision = planner.decide(part, search_blocks=search_blocks and stride == 0)
-    while decision is not None and decision.rewrites and rounds.recuts < MAX_RECUTS:
-        rounds.take(decision, part)
-        with step(graph_name, "segment"):
-            tagged = clone_joint(source)
-            if rounds.layout.blocks:
-                report = tag_layout(tagged, blocks, rounds.layout)
-            tag_recompute(tagged, rounds.names)
-            segment_ms = segment_recompute_ms(tagged, options.cost_model, device)
-        with step(graph_name, "min-cut (re-plan)"):
-            fw, bw = cut(tagged, consume=True)
-            part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
-        rounds.carried_out(part)
-        # Where min-cut saved more than the first round predicted, a later round may add
-        # blocks too (one-block segments on top of those already recomputed).
-        more_blocks = search_blocks and stride == 0 and rounds.layout.kind != "stride"
-        with step(graph_name, f"plan round {rounds.recuts}"):
-            decision = planner.decide(
-                part, search_blocks=more_blocks, allow_recompute=rounds.recuts < MAX_RECUTS,
-                keep_first=True, stuck=rounds.stuck,
+    plan_at = functools.partial(
+        plan_rounds, Attempt(None, part, Rounds(), report, segment_ms), source=source, cut=cut,
+        blocks=blocks, options=options, device=device, num_fwd_outputs=num_fwd_outputs,
+        requests=requests, assumed=assumed, graph_name=graph_name,
+        search_blocks=budget is not None and not options.is_explicit("segment_stride") and stride == 0,
+    )  # fmt: skip
+    attempt = plan_at(budget)
+    range_check, replans = BudgetCheck(), 0
+    if sizes and budget is not None and if_feasible(attempt):
+        check = functools.partial(_check_budget, base_fw=base_fw, baseline=baseline,
+                                  options=options, budget=budget)  # fmt: skip
+        range_check = check(attempt)
+        if range_check.shortfall is not None:
+            attempt, range_check, budget, replans = fit_range(
+                attempt, range_check, budget, lambda b: if_feasible(plan_at(b)), check,
+                lambda a: a.peak,
             )  # fmt: skip
+    decision, part, rounds, report = attempt.decision, attempt.part, attempt.rounds, attempt.report
+    fw, bw = part.fw, part.bw
 
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
     segments.update(dict.fromkeys(rounds.layout.blocks, -1))
@@ -259,20 +237,14 @@ def partition(
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")
-            notes += guard_budget(
-                problem=decision.problem,
-                kinds=solution.choices,
-                d2h_done=solution.sim.d2h_done,
-                prefetch_issue=solution.sim.prefetch_issue,
-                storage_keys=[st.key for st in decision.storages],
-                fw=part.fw,
-                final=part.saved,
-                baseline_fw=base_fw,
-                baseline=baseline,
-                options=options,
-                budget=budget,
-                graph_name=graph_name,
-            )
+            if replans:
+                notes.append(f"re-planned {replans} time(s), now under {budget} bytes at the "
+                             "upper end, for the budget to hold over the range fixed by mark_dynamic")  # fmt: skip
+            if (short := range_check.shortfall) is not None:
+                infeasible(graph_name, short.allowed, short.kept, options, sizes=short.at)
+                notes.append(f"over {range_check.what} at {short.at}: {short.kept} bytes "
+                             f"against {short.allowed}")  # fmt: skip
+            notes += range_check.install()
     seen = {a.name: a for a in baseline}
     for name, a in rounds.rebuilt.items():
         seen.setdefault(name, a)
@@ -286,7 +258,7 @@ def partition(
         flops=rounds.flops,
         budget_bytes=budget,
         resident_peak_bytes=peak,
-        est_overhead_ms=segment_ms + rounds.recompute_ms + solution_ms,
+        est_overhead_ms=attempt.segment_ms + rounds.recompute_ms + solution_ms,
         options=options.to_dict(),
         notes=notes,
     )
@@ -311,67 +283,19 @@ def partition(
     return fw, bw
 
 
-# Partitions a budget may add after the first: one to carry out the first round's blocks and
-# single ops, and up to two more when min-cut saved something the prediction freed.
-MAX_RECUTS = 3
-
-
-@dataclasses.dataclass
-class Rounds:
-    """What the rounds asked min-cut to rebuild so far, and why."""
-
-    layout: Layout = NONE
-    names: set[str] = dataclasses.field(default_factory=set)
-    stuck: set[str] = dataclasses.field(default_factory=set)
-    rebuilt: dict[str, SavedActivation] = dataclasses.field(default_factory=dict)
-    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
-    flops: dict[str, float] = dataclasses.field(default_factory=dict)
-    ms_of: dict[str, float] = dataclasses.field(default_factory=dict)  # storage -> ms
-    recuts: int = 0
-
-    @property
-    def recompute_ms(self) -> float:
-        return sum(self.ms_of.values())
-
-    def take(self, decision: RoundDecision, part: Partition) -> None:
-        new = decision.layout
-        if new.kind == "blocks" and self.layout.kind == "blocks":
-            blocks = sorted(self.layout.blocks | new.blocks)
-            self.layout = Layout(tuple((b,) for b in blocks), "blocks")
-        elif new.blocks:
-            self.layout = new
-        self.names |= decision.recompute
-        for a in part.saved:
-            if a.name in decision.recompute:
-                self.reasons[a.name] = decision.choices[a.storage].reason
-                self.flops[a.name] = decision.flops.get(a.name, 0.0)
-                self.rebuilt[a.name] = a
-                self.ms_of[a.storage] = decision.recompute_ms.get(a.storage, 0.0)
-
-    def carried_out(self, part: Partition) -> None:
-        """Tensors min-cut saved although asked to rebuild them (a boundary between two
-        checkpoint regions forces a save there): later rounds must keep or offload them."""
-        self.recuts += 1
-        still = {a.name for a in part.saved} & self.names
-        for a in part.saved:
-            if a.name in still:
-                self.reasons.pop(a.name, None)
-                self.flops.pop(a.name, None)
-                self.rebuilt.pop(a.name, None)
-                self.ms_of.pop(a.storage, None)
-        self.stuck |= still
-
-    def notes(self) -> list[str]:
-        if not self.layout.blocks:
-            return []
-        return [f"segment_stride is unset: recomputes {self.layout.describe()} to meet the budget"]
-
-
-def tag_layout(joint: fx.GraphModule, blocks: BlockFacts, layout: Layout) -> SegmentReport:
-    """Tag a layout's segments as :func:`tag_segments` tags a user's stride."""
-    if layout.kind == "stride":
-        return tag_segments(joint, blocks, layout.stride, layout.stride)
-    return tag_segments(joint, blocks, 0, 0, extra_blocks=layout.blocks)
+def _check_budget(
+    attempt: Attempt, *, base_fw: fx.GraphModule, baseline: list[SavedActivation],
+    options: Options, budget: int,
+) -> BudgetCheck:
+    decision = attempt.decision
+    assert decision is not None
+    sim = decision.solution.sim
+    return check_budget(
+        problem=decision.problem, kinds=decision.solution.choices, d2h_done=sim.d2h_done,
+        prefetch_issue=sim.prefetch_issue, storage_keys=[st.key for st in decision.storages],
+        fw=attempt.part.fw, final=attempt.part.saved, baseline_fw=base_fw, baseline=baseline,
+        options=options, budget=budget,
+    )  # fmt: skip
 
 
 def _resident(fw: fx.GraphModule, part: Partition, decision: RoundDecision | None) -> list[str]:

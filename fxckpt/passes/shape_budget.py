@@ -8,9 +8,12 @@ made with numbers. The rule:
    that bound. Saved bytes grow with the length, so a byte budget that fits there fits every
    shorter length; where none fits, the budget is infeasible at that length (``BudgetError``
    at compile time, naming it). dynamo refuses a guard that narrows a range the user marked
-   (``ConstraintViolationError``), so one graph must serve it all: a fraction is checked at
-   both ends of the range, and a warning names the end, the bytes and the budget where it
-   fails.
+   (``ConstraintViolationError``), so one graph must serve it all, and the plan is checked
+   at every size of the range (its ends and the sizes where the plan's resident bytes less
+   the budget turn). A fraction can fail below the upper end: tensors that grow more slowly
+   than the baseline take a larger share of it at shorter lengths. The plan is then made
+   again at the upper end under a tighter budget until the whole range holds
+   (:func:`fit_range`), or ``BudgetError`` names the size where it cannot.
 2. **Otherwise guard the sizes the plan holds for.** The plan is made for this call's sizes,
    and a guard is installed in dynamo's shape environment that is true exactly while the
    plan's resident bytes stay within the budget:
@@ -28,9 +31,9 @@ Copy timings are those of the planning sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -55,6 +58,7 @@ from fxckpt.graph.sizes import (
     size_symbols,
 )
 from fxckpt.options import Options
+from fxckpt.passes.size_range import Shortfall, worst_in_range
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +165,6 @@ def peak_candidates(
 def _expr(v: Any) -> Any:
     return v.node.expr if isinstance(v, torch.SymInt) else int(v)
 
-
 def _storage_nbytes(gm: fx.GraphModule, acts: Iterable[SavedActivation]) -> dict[str, Any]:
     """Bytes of each storage as the graph computes them: a SymInt under dynamic shapes.
 
@@ -181,7 +184,30 @@ def _storage_nbytes(gm: fx.GraphModule, acts: Iterable[SavedActivation]) -> dict
     return out
 
 
-def guard_budget(
+@dataclasses.dataclass
+class BudgetCheck:
+    """What :func:`check_budget` found for one plan. Nothing is installed on the graph until
+    :meth:`install`, so a plan that is re-planned leaves no guard behind."""
+
+    what: str = ""
+    guards: list[Any] = dataclasses.field(default_factory=list)  # SymBools of rule 2
+    ranges: int = 0  # conditions checked over a range fixed by mark_dynamic
+    shortfall: Shortfall | None = None  # the worst point of such a range, where it fails
+
+    def install(self) -> list[str]:
+        """Install the guards; the notes for the plan."""
+        for cond in self.guards:
+            bool(cond)  # evaluating a SymBool installs it as a guard on the compiled graph
+        notes = []
+        if self.guards:
+            notes.append(f"guarded to sizes where the plan meets {self.what} "
+                         f"({len(self.guards)} condition(s)); other sizes compile a new plan")
+        if self.ranges and self.shortfall is None:
+            notes.append(f"meets {self.what} at every size of the range fixed by mark_dynamic")
+        return notes
+
+
+def check_budget(
     *,
     problem: Problem,
     kinds: Sequence[str],
@@ -194,15 +220,16 @@ def guard_budget(
     baseline: Sequence[SavedActivation],
     options: Options,
     budget: int | None,
-    graph_name: str,
-) -> list[str]:
-    """Install the guards of rule 2 (module docstring); returns notes for the plan."""
+) -> BudgetCheck:
+    """Rule 2's guards for one plan, and rule 1's check over the ranges fixed by
+    ``mark_dynamic`` (module docstring). ``budget`` is the user's, in bytes at the planning
+    sizes; a fraction is checked against each length's own baseline."""
     if budget is None:
-        return []
+        return BudgetCheck()
     sym = _storage_nbytes(fw, final)
     sym_bytes = [sym[k] for k in storage_keys]
     if not any(isinstance(b, torch.SymInt) for b in sym_bytes):
-        return []
+        return BudgetCheck()
     env = next(b.node.shape_env for b in sym_bytes if isinstance(b, torch.SymInt))
     sets = peak_candidates(problem, kinds, d2h_done, prefetch_issue, sym_bytes)
     totals = [torch.sym_sum([sym_bytes[i] for i in sorted(m)]) for m in sets]
@@ -219,63 +246,37 @@ def guard_budget(
     if len(sets) > MAX_GUARDS:
         # Every candidate's bytes are >= 0 at any size, so the union's bytes bound each set's.
         totals = [torch.sym_sum([sym_bytes[i] for i in sorted(set().union(*sets))])]
+    # The sizes the plan was made for: a dimension's upper bound where it was planned there,
+    # else the call's own size.
     hints = symbol_hints(env)
-    guarded = checked = 0
-    failures: list[tuple[int, int, str]] = []
+    at_plan = {**hints, **{s: sympy.Integer(v) for s, v in planning_values().items()}}
+    out = BudgetCheck(what)
     for total in totals:
         cond = total * scale <= bound
         if not isinstance(cond, torch.SymBool):
             continue
         expr = cond.node.expr
-        if not expr.free_symbols or free_unbacked(expr) or not bool(expr.xreplace(hints)):
+        if not expr.free_symbols or free_unbacked(expr) or not bool(expr.xreplace(at_plan)):
             # Known true for every size; or not testable; or not true at the planning sizes
             # themselves (a plan over its budget, already reported): no guard.
             continue
         fixed = {s: u for s in expr.free_symbols if (u := symbol_upper_bound(env, s)) is not None}
-        if fixed:
-            # A guard that narrows a range the user marked dynamic is refused by dynamo
-            # (ConstraintViolationError): one graph serves the whole range, so check its ends.
-            failures += _fails_at_range_ends(env, expr, total * scale, bound, scale, fixed)
-            checked += 1
+        if not fixed:
+            out.guards.append(cond)
             continue
-        bool(cond)  # evaluating a SymBool installs it as a guard on the compiled graph
-        guarded += 1
-    notes = []
-    if guarded:
-        notes.append(f"guarded to sizes where the plan meets {what} ({guarded} condition(s)); "
-                     "other sizes compile a new plan")
-    if checked and not failures:
-        notes.append(f"meets {what} at both ends of the range fixed by mark_dynamic")
-    if failures:
-        kept, allowed, at = max(failures)
-        warnings.warn(
-            f"fxckpt[{graph_name}]: at {at}, an end of the range fixed by mark_dynamic, the "
-            f"plan keeps {kept} bytes resident where {what} allows {allowed}. One graph serves "
-            "the whole range, so it cannot be re-planned there; narrow the range, or use a "
-            "byte memory_budget (planned for the longest length).",
-            stacklevel=2,
-        )
-        notes.append(f"over {what} at {at}: {kept} bytes against {allowed}")
-    return notes
-
-
-def _fails_at_range_ends(
-    env: Any, expr: Any, lhs: Any, rhs: Any, scale: int, upper: dict[Any, int]
-) -> list[tuple[int, int, str]]:
-    """``(kept bytes, allowed bytes, sizes)`` at each end of the fixed range where ``expr``
-    fails. A budget was planned at the upper end, where it holds unless infeasible."""
-    hints = symbol_hints(env)
-    out = []
-    for end in (upper, {s: symbol_lower_bound(env, s) for s in upper}):
-        values = {s: sympy.Integer(v) for s, v in end.items()}
-        if not bool(expr.xreplace(values).xreplace(hints)):
-            out.append((_at(lhs, values, hints) // scale, _at(rhs, values, hints) // scale, describe(env, end)))
+        # A guard that narrows a range the user marked dynamic is refused by dynamo
+        # (ConstraintViolationError): one graph serves the whole range, so the plan must hold
+        # at every size in it.
+        out.ranges += 1
+        # Sizes outside the fixed ranges are read at their hints: rule 2 guards them.
+        free = {s: v for s, v in hints.items() if s not in fixed}
+        kept, allowed = (sympy.sympify(_expr(v)).xreplace(free) for v in (total * scale, bound))
+        lower = {s: symbol_lower_bound(env, s) for s in fixed}
+        if (worst := worst_in_range(kept, allowed, scale, lower, fixed)) is not None:
+            short = Shortfall(worst[1], worst[2], describe(env, worst[0]))
+            if out.shortfall is None or short.over > out.shortfall.over:
+                out.shortfall = short
     return out
-
-
-def _at(v: Any, values: dict[Any, Any], hints: dict[Any, Any]) -> int:
-    expr = v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
-    return int(expr.xreplace(values).xreplace(hints))
 
 
 def sizes_note(joint: fx.GraphModule) -> str:

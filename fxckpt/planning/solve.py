@@ -27,14 +27,14 @@ Methods:
 - ``"milp"`` uses scipy.optimize.milp (HiGHS, ~10 s limit). Variables are binary recompute and
   offload flags per candidate (keep = neither). There is one memory row per run of positions
   with the same covering set whose all-keep residency exceeds the budget. Bytes are scaled to
-  MiB once tensors are that big (PLANNER_NOTES: raw byte coefficients made CBC report
+  MiB once tensors are that big (raw byte coefficients made CBC report
   "optimal" answers that broke constraints). A linear model can't see FIFO queueing, so each
   offload gets a per-candidate timing computed independently of the other choices. First it
   is timed alone: exact when copies don't queue behind each other. If that answer's simulated
   peak breaks the budget, it is solved again with every offload timed as if all offloadable
   tensors were offloaded; that answer always fits.
 - ``"brute"``: every combination (n <= 12), the checker for tests.
-- ``"auto"`` is greedy. MILP optima are not nested across budgets (PLANNER_NOTES (d)), and
+- ``"auto"`` is greedy. MILP optima are not nested across budgets (a larger budget can move a keep), and
   monotonicity in the budget is a hard requirement, so the MILP stays a checker.
 
 The MILP and brute force live in :mod:`fxckpt.planning.checkers`.

@@ -247,6 +247,6 @@ OPS = (
     *bucket_ops.OPS,
 )
 # FX dead-code elimination and Inductor's scheduler both drop unused pure ops, and the
-# outputs of offload_done / prefetch / note_saved may go unused (TORCH_NOTES.md).
+# outputs of offload_done / prefetch / note_saved may go unused: each op is registered as having a side effect.
 for _op in OPS:
     torch.fx.node.has_side_effect(_op)

@@ -16,7 +16,7 @@ class and reuse the same buffers, and the steady state makes no host allocation 
 
 Pinned buffers are carved out of a few page-locked slabs (``slabs.py``), not allocated one
 by one from torch's CachingHostAllocator, which would round each of them up to a power of two
-once more and page-lock it separately (HOST_MEMORY_NOTES.md §1). For the pinned pool,
+once more and page-lock it separately. For the pinned pool,
 ``bytes`` and the cap count page-locked slab bytes. The CPU pool allocates each buffer with
 ``torch.empty``, as before.
 """
