@@ -300,3 +300,29 @@ def test_inductor_meets_the_step_budget_across_a_break() -> None:
     backend = fxckpt.backend(memory_budget=FRACTION, cost_model="unit")
     compiled = assert_step_matches(model, inputs, backend, steps=2, **TOL)
     assert 0 < _held(compiled, inputs) <= FRACTION * base + SLACK
+
+
+@pytest.mark.parametrize("budget", [FRACTION, 96 * 1024], ids=["fraction", "bytes"])
+def test_a_step_of_one_graph_plans_as_that_graph(budget: float | int) -> None:
+    # The blocks' input is computed eagerly (an embedding outside the compiled region): it
+    # has autograd history, yet no graph of the step made it, so it is no part of the step's
+    # figures, as it is no part of a per-graph budget's.
+    torch.manual_seed(0)
+    emb, blocks = nn.Embedding(64, 32), nn.Sequential(Block(32, 2, None), Block(32, 2, None))
+    idx = torch.randint(0, 64, (2, 16))
+    plans = {}
+    for scope in ("graph", "step"):
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        backend = fxckpt.backend(compiler="eager", memory_budget=budget, cost_model="unit",
+                                 min_offload_bytes=0, budget_scope=scope)  # fmt: skip
+        torch.compile(blocks, backend=backend)(emb(idx)).sum().backward()
+        (plan,) = fxckpt.last_plans()
+        plans[scope] = plan
+    graph, step = plans["graph"], plans["step"]
+    assert graph.recomputed_bytes + graph.offloaded_bytes > 0  # the budget made it choose
+    assert step.budget_bytes == graph.budget_bytes
+    assert step.resident_peak_bytes == graph.resident_peak_bytes
+    assert [(r.name, r.decision.kind) for r in step.activations] == [
+        (r.name, r.decision.kind) for r in graph.activations
+    ]

@@ -232,7 +232,8 @@ def partition(
         if ticket is not None:
             kinds = zip(decision.storages, solution.choices, strict=True)
             kept = [s.bytes for s, k in kinds if k == "keep"]
-            ticket.planned(peak, sum(kept), reached=solution.feasible)
+            ticket.planned(peak, sum(kept), reached=solution.feasible, sizes=sizes,
+                           pool_capped=decision.host_capped)  # fmt: skip
             notes += ticket.notes()
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:

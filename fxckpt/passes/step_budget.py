@@ -77,6 +77,8 @@ class Graph:
     end: int = 0  # what it keeps between its forward and backward, while later graphs run
     inputs: int = 0  # bytes it saves of earlier graphs' outputs (in peak and end; no plan's)
     floor: bool = False  # its plan is the smallest the planner reaches (it missed its share)
+    sizes: str = ""  # under dynamic shapes, the lengths its plan was made for
+    pool_capped: bool = False  # the host budget kept offloads on the device that it needed gone
     known: bool = False  # planned in this process, or its plan reported by its first run
     recompile: Callable[[int], None] | None = None
 
@@ -148,11 +150,13 @@ class StepBudget:
         self.verdict_given = False
         fakes = _fakes(example_inputs)
         # Inputs an earlier graph computed (they carry autograd history): what this graph
-        # saves of them is held for its backward only because it saves them.
+        # saves of them is held for its backward only because it saves them. The step's
+        # first graph has no earlier one (what eager code before it computed is not the
+        # step's, as under a per-graph budget), so a one-graph step plans as that graph.
         produced = [
             (i, tuple(t.shape)) for i, t in enumerate(example_inputs)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        ]  # fmt: skip
+        ] if self._before(key) else []  # fmt: skip
         holder: list[Any] = []
 
         def build(fixed: int | None, inputs: Sequence[Any]) -> Any:
@@ -226,20 +230,37 @@ class StepBudget:
 
     def verdict(self, graph: str | None) -> None:
         """Raise (or warn) that the step cannot meet its budget, naming its smallest figure:
-        the step's peak with every graph that missed its share at its floor."""
+        the step's peak with every graph that missed its share at its floor.
+
+        A step of one graph is that graph: its budget, plan and floor are the ones
+        ``budget_scope="graph"`` gives it, and so is its error (the graph's name, the sizes
+        its plan was made for, the hints)."""
         self.verdict_given = True
-        names = [g.name for g in self.graphs.values()]
+        graphs = list(self.graphs.values())
+        pool_capped = any(g.pool_capped for g in graphs)
         smallest, at = self.peak()
-        parts = ", ".join(f"{g.name} holds {g.end} after its forward, {g.peak} at most"
-                          for g in self.graphs.values())
-        where = f"while {at.name} runs; " if at is not None else ""
-        error = BudgetError(
-            f"the step ({len(names)} graphs: {', '.join(names)})", self.total(), smallest,
-            hints(self.options), scope="step", detail=where + parts,
-        )  # fmt: skip
+        if len(graphs) == 1:
+            (g,) = graphs
+            error = BudgetError(g.name, self.total(), smallest, hints(self.options, pool_capped),
+                                g.sizes)  # fmt: skip
+            plans = "plan"
+        else:
+            parts = ", ".join(
+                f"{g.name} holds {g.end} after its forward, {g.peak} at most"
+                + (f" (planned for {g.sizes})" if g.sizes else "")
+                for g in graphs
+            )
+            where = f"while {at.name} runs; " if at is not None else ""
+            names = ", ".join(g.name for g in graphs)
+            error = BudgetError(
+                f"the step ({len(graphs)} graphs: {names})", self.total(), smallest,
+                hints(self.options, pool_capped), "; ".join(g.sizes for g in graphs if g.sizes),
+                scope="step", detail=where + parts,
+            )  # fmt: skip
+            plans = "plans"
         if self.options.on_infeasible == "raise":
             raise error
-        warnings.warn(f"{error.summary} Running the smallest plans instead.", stacklevel=2)
+        warnings.warn(f"{error.summary} Running the smallest {plans} instead.", stacklevel=2)
 
 
 class Ticket:
@@ -271,12 +292,16 @@ class Ticket:
         entry.share = max(1, share)
         return max(1, entry.share - inputs)
 
-    def planned(self, peak: int, end: int, *, reached: bool) -> None:
+    def planned(self, peak: int, end: int, *, reached: bool, sizes: str = "",
+                pool_capped: bool = False) -> None:
         """The plan's resident peak, and the bytes it keeps for the backward (its offloads'
-        copies land while the next graph runs; its peak counts them in flight)."""
+        copies land while the next graph runs; its peak counts them in flight). ``sizes``
+        and ``pool_capped`` say, as a per-graph budget's error would, where the plan was made
+        and whether the host budget stood in its way."""
         entry = self.step.graphs[self.key]
         entry.peak, entry.end = peak + entry.inputs, end + entry.inputs
         entry.floor, entry.known = not reached, True
+        entry.sizes, entry.pool_capped = sizes, pool_capped and not reached
 
     def reported(self, payload: str) -> None:
         """The plan a graph's first run reports: where a warm compile cache served the graph,
