@@ -264,6 +264,7 @@ def partition(
         notes=notes,
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
+    plan.step_inputs_bytes = ticket.inputs() if ticket is not None else 0
     plan.timeline = plan_timeline
     plan.assumptions = assumed
     with step(graph_name, "offload"):

@@ -303,19 +303,29 @@ class Ticket:
         entry.floor, entry.known = not reached, True
         entry.sizes, entry.pool_capped = sizes, pool_capped and not reached
 
+    def inputs(self) -> int:
+        """Bytes of earlier graphs' outputs this graph saves (its plan records them)."""
+        entry = self.step.graphs.get(self.key)
+        return entry.inputs if entry is not None else 0
+
     def reported(self, payload: str) -> None:
         """The plan a graph's first run reports: where a warm compile cache served the graph,
-        no partition ran in this process, and this is how the step learns what it holds."""
+        no partition ran in this process, and this is how the step learns what it holds:
+        the same figures :meth:`share` and :meth:`planned` record, earlier graphs' outputs
+        it saves included."""
         entry = self.step.graphs.get(self.key)
         if entry is None or entry.known:
             return
         plan = json.loads(payload)
-        entry.baseline = int(plan.get("baseline_saved_bytes") or 0)
-        entry.peak = int(plan.get("resident_peak_bytes") or 0)
-        entry.share = int(plan.get("budget_bytes") or 0)
+        inputs = int(plan.get("step_inputs_bytes") or 0)
+        entry.name = entry.name or str(plan.get("name") or "")
+        entry.inputs = inputs
+        entry.baseline = int(plan.get("baseline_saved_bytes") or 0) + inputs
+        entry.peak = int(plan.get("resident_peak_bytes") or 0) + inputs
+        entry.share = int(plan.get("budget_bytes") or 0) + inputs
         kept = {r.get("storage") or r["name"]: r["bytes"]
                 for r in plan.get("activations", []) if r.get("decision") == "keep"}
-        entry.end = sum(kept.values())
+        entry.end = sum(kept.values()) + inputs
         entry.floor = entry.peak > entry.share
         entry.known = True
 

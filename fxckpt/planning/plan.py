@@ -140,6 +140,10 @@ class Plan:
     # ``copy_overhead_ms``, ...): each ``{"value": float, "source": str}``, the source one of
     # "measured", "option", "default" or "emulated".
     assumptions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Under a step budget: bytes of earlier graphs' outputs this graph saves. The step counts
+    # them (in this graph's baseline and peak), this plan's figures do not; written only
+    # where nonzero.
+    step_inputs_bytes: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -191,7 +195,7 @@ class Plan:
             "activations": [a.to_dict() for a in self.activations],
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
-        }
+        } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
@@ -206,6 +210,7 @@ class Plan:
             notes=list(d.get("notes", [])),
             timeline=d.get("timeline"),
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
+            step_inputs_bytes=int(d.get("step_inputs_bytes", 0)),
         )
 
     def summary(self) -> str:
