@@ -172,12 +172,19 @@ class StepBudget:
             replan_inputs = fakes
 
             def recompile(budget: int) -> None:
+                entry.known = False  # the re-plan's partition says what it holds
                 try:
                     with compat.no_tracing_context():
                         holder[0] = build(budget, replan_inputs)
                 except Exception as e:  # the graph keeps the plan it runs; the step goes on
                     log.warning("fxckpt[%s] re-planning for the step failed: %s", entry.name, e)
-                    entry.recompile, entry.floor = None, True
+                    entry.recompile, entry.floor, entry.known = None, True, True
+                    return
+                if not entry.known:
+                    # A warm compile cache served the re-plan: no partition ran, and its plan
+                    # reports itself on its first run (the next step). Until then it counts
+                    # as what it was planned for, as a cold re-plan that met it would.
+                    entry.peak, entry.end = min(entry.peak, budget), min(entry.end, budget)
 
             entry.recompile = recompile
         run = self._runner(holder, key)
@@ -328,6 +335,8 @@ class Ticket:
         entry.end = sum(kept.values()) + inputs
         entry.floor = entry.peak > entry.share
         entry.known = True
+        if self.step.debt > 0:  # as a compile that missed its share would: settle it now
+            self.step._settle(self.key)
 
     def notes(self) -> list[str]:
         entry = self.step.graphs[self.key]
