@@ -466,8 +466,22 @@ def saved_tensors_hooks_free() -> bool:
     )
 
 
+def compile_call_owner() -> Any:
+    """The object dynamo holds for the ``torch.compile`` call compiling now (its wrapped
+    backend), or ``None`` outside dynamo: a step budget's state lives with it. Every frame,
+    graph break and recompile of one call sees the same object (2.11 to 2.15)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, IndexError, AssertionError, RuntimeError):
+        return None
+    output = getattr(tx, "output", None) if tx is not None else None
+    return getattr(output, "compiler_fn", None)
+
+
 def current_compile_id() -> Any:
-    """Dynamo's id of the frame being compiled (``"0/1"``-like), or None outside a compile."""
+    """Dynamo's id of the graph compiling now (``frame_id``, ``frame_compile_id``) or None."""
     from torch._guards import CompileContext
 
     return CompileContext.current_compile_id()
@@ -645,3 +659,18 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return str(cache_dir())
+
+
+def detect_fake_mode(inputs: Any) -> Any:
+    """The fake mode that traced ``inputs`` (dynamo's, while it compiles), or None."""
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(inputs)
+
+
+def no_tracing_context() -> Any:
+    """A context outside any dynamo tracing context, for compiling another graph again from
+    inside one graph's compile (AOTAutograd would otherwise write into the outer one's)."""
+    from torch._guards import tracing
+
+    return tracing(None)

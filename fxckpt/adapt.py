@@ -75,6 +75,9 @@ class Recipe:
     options: Options
     mode: str | None
     device: str  # "cpu", "cuda", ...: where the graph's tensors live
+    # Under a step budget, the ticket the graph was first compiled under: a re-plan keeps
+    # the share of the step's budget the graph holds (passes.step_budget.keeping_share).
+    ticket: Any = None
 
     @property
     def has_link(self) -> bool:
@@ -90,15 +93,19 @@ class Recipe:
         if got is None:
             log.debug("fxckpt: a graph with tensor-subclass inputs is measured, not re-planned")
             return None
-        return cls(gm, got[0], got[1], options, mode, graph_device(got[1]).type)
+        from fxckpt.passes import step_budget
+
+        return cls(gm, got[0], got[1], options, mode, graph_device(got[1]).type,
+                   step_budget.current())
 
     def compile(self, measured: dict[str, float], name: str) -> tuple[Any, int]:
         """The graph compiled anew with ``measured`` figures, and how many shape guards that
         compile added."""
         from fxckpt.backend import FxckptPartitioner, compile_partitioned
+        from fxckpt.passes import step_budget
 
         before = compat.shape_guard_count(self.fake_mode)
-        with compat.recompiling(self.fake_mode):
+        with compat.recompiling(self.fake_mode), step_budget.keeping_share(self.ticket, name):
             compiled = compile_partitioned(
                 self.gm, self.inputs, FxckptPartitioner(self.options, measured, name), self.mode
             )

@@ -64,10 +64,13 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
     """
 
     def __init__(self, options: Options, measured: Mapping[str, float] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, step_token: str = "") -> None:
         self.options = options
         self.measured = tuple(sorted((measured or {}).items()))
         self.name = name
+        # Under a step budget a graph's plan also depends on what the graphs before it hold
+        # (passes.step_budget): the token says so, and so keys the compile cache.
+        self.step_token = step_token
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -76,6 +79,9 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
 
         compiler = kwargs.pop("compiler", None)  # Inductor passes "inductor"; aot_autograd nothing
         num_fwd_outputs = kwargs.pop("num_fwd_outputs")
+        from fxckpt.passes import step_budget
+
+        ticket = step_budget.current()
         # Each min-cut run gets what it takes of the rest; fxckpt reads none of the others
         # (newer torch may pass metadata such as fw_metadata, pytorch#174823).
         passed, unused = compat.min_cut_keywords(kwargs)
@@ -85,7 +91,8 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
             gm,
             joint_inputs,
             self.options,
-            graph_name=self.name or _graph_name(),
+            graph_name=self.name or (ticket.name if ticket is not None else None)
+            or _graph_name(),
             num_fwd_outputs=num_fwd_outputs,
             record=record_plan,
             inductor=compiler == "inductor",
@@ -99,10 +106,11 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
         return f"fxckpt-{__version__}-{_source_hash()[:16]}-{self._key()}"
 
     def _key(self) -> str:
-        if not self.measured:
-            return self.options.cache_key()
-        figures = ",".join(f"{k}={v!r}" for k, v in self.measured)
-        return f"{self.options.cache_key()}-{self.name}-{figures}"
+        key = self.options.cache_key()
+        if self.measured:
+            figures = ",".join(f"{k}={v!r}" for k, v in self.measured)
+            key = f"{key}-{self.name}-{figures}"
+        return f"{key}-{self.step_token}" if self.step_token else key
 
     def __eq__(self, other: object) -> bool:
         # By cache key, not Options equality: which options were set explicitly changes plans.
@@ -176,16 +184,43 @@ def compile_graph(
 
     ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
     Otherwise the graph's copies are measured at run time, and under ``adapt="auto"`` a graph
-    whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`).
+    whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`). Under
+    ``budget_scope="step"`` the graph is one of its step's (:mod:`fxckpt.passes.step_budget`),
+    which gives it its share of ``memory_budget``.
     """
+    if not offline:
+        configure_runtime(options)
+    from fxckpt.passes import step_budget
+
+    if step_budget.applies(options):
+        step = step_budget.step_for(options)
+        return step.compile(
+            step_budget.graph_key(), None, gm, example_inputs,
+            lambda g, inputs: _compile_measured(g, inputs, options, mode, offline=offline),
+        )  # fmt: skip
+    return _compile_measured(gm, example_inputs, options, mode, offline=offline)
+
+
+def _compile_measured(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options,
+    mode: str | None,
+    *,
+    offline: bool,
+) -> Any:
+    """One compile of the graph (under its step's ticket, if any), wrapped to be measured."""
+    from fxckpt.passes import step_budget
+
+    ticket = step_budget.current()
+    partitioner = FxckptPartitioner(
+        options, step_token=ticket.cache_token() if ticket is not None else "")
     if offline:
-        return compile_partitioned(gm, example_inputs, FxckptPartitioner(options), mode,
-                                   offline=True)
+        return compile_partitioned(gm, example_inputs, partitioner, mode, offline=True)
     from fxckpt import adapt
 
-    configure_runtime(options)
     recipe = adapt.Recipe.capture(gm, example_inputs, options, mode)
-    compiled = compile_partitioned(gm, example_inputs, FxckptPartitioner(options), mode)
+    compiled = compile_partitioned(gm, example_inputs, partitioner, mode)
     return adapt.Adaptive(compiled, recipe, options, device=adapt.graph_device(example_inputs))
 
 
@@ -198,7 +233,10 @@ def compile_partitioned(
     offline: bool = False,
 ) -> Any:
     """:func:`compile_graph` with a given partitioner, without the run-time measurement."""
+    from fxckpt.passes import step_budget
+
     options = partitioner.options
+    ticket = step_budget.current()
     if options.compiler == "eager":
         if mode not in (None, "default"):
             raise OptionsError(
@@ -221,7 +259,9 @@ def compile_partitioned(
                 config_patches={**patches, **compat.post_fusion_hook(inductor_peak.record_scheduled)},
             )
     # What the first training step really holds for the backward, against the plan.
-    return compiled if offline else residency.checked(compiled)
+    if offline:
+        return compiled
+    return residency.checked(compiled, on_plan=ticket.reported if ticket is not None else None)
 
 
 def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[str, Any]:

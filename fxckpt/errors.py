@@ -29,6 +29,10 @@ class BudgetError(FxckptError):
     ``smallest_bytes`` is the smallest resident peak the planner could reach, and
     ``suggestions`` lists options that would go lower. Under dynamic shapes ``sizes`` names the
     lengths the plan was made for (``L['idx'].size()[1]=512``).
+
+    ``scope`` is ``"graph"`` (one graph missed its own budget, under ``budget_scope="graph"``)
+    or ``"step"``: the graphs of one step together cannot meet the step's budget, and
+    ``smallest_bytes`` is the smallest the step reaches, ``detail`` each graph's part.
     """
 
     def __init__(
@@ -38,18 +42,30 @@ class BudgetError(FxckptError):
         smallest_bytes: int,
         suggestions: list[str],
         sizes: str = "",
+        *,
+        scope: str = "graph",
+        detail: str = "",
     ) -> None:
         self.graph = graph
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
         self.suggestions = list(suggestions)
         self.sizes = sizes
+        self.scope = scope
         hint = ("; to go lower: " + ", ".join(suggestions)) if suggestions else ""
         at = f" at {sizes}" if sizes else ""
-        self.summary = (
-            f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes{at}: the "
-            f"smallest resident peak the planner reaches there is {smallest_bytes} bytes{hint}."
-        )
+        if scope == "step":
+            self.summary = (
+                f"fxckpt: {graph} cannot meet memory_budget={budget_bytes} bytes for the "
+                f"step: the smallest the step reaches is {smallest_bytes} bytes "
+                f"({detail}){hint}."
+            )
+        else:
+            self.summary = (
+                f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes{at}: "
+                f"the smallest resident peak the planner reaches there is {smallest_bytes} "
+                f"bytes{hint}."
+            )
         super().__init__(
             f"{self.summary} Raise memory_budget, or pass on_infeasible='warn' to run the "
             "smallest plan."

@@ -66,6 +66,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "compiler": ("inductor", "eager"),
     "on_infeasible": ("raise", "warn"),
     "adapt": ("auto", "never", "measure"),
+    "budget_scope": ("step", "graph"),
 }
 
 
@@ -268,6 +269,9 @@ class Options:
     on_infeasible: str = "raise"
     # Re-plan a graph whose measured copies contradict its plan's assumptions (fxckpt.adapt).
     adapt: str = "auto"
+    # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
+    # gets a share, passes.step_budget); "graph": every graph on its own, as before.
+    budget_scope: str = "step"
     blocks: str | None = None
     block_index: int | None = None
 

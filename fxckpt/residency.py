@@ -78,8 +78,13 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def checked(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, measured on its first call that records autograd (see the module doc)."""
+def checked(
+    compiled: Callable[..., Any], on_plan: Callable[[str], None] | None = None
+) -> Callable[..., Any]:
+    """``compiled``, measured on its first call that records autograd (see the module doc).
+
+    ``on_plan`` receives the plan payload that call reported (a step budget learns there what
+    a graph from a warm compile cache holds)."""
     armed = [True]
 
     @functools.wraps(compiled)
@@ -101,6 +106,8 @@ def checked(compiled: Callable[..., Any]) -> Callable[..., Any]:
             armed[0] = not saved.storages
             return out
         payload, _, kept = note
+        if on_plan is not None:
+            on_plan(payload)
         held = saved.held(handle_ptrs() if device.type == "cpu" else set())
         unplanned = [
             (nbytes, list(shape), list(stride), str(dtype).removeprefix("torch."))

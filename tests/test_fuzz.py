@@ -373,13 +373,24 @@ def test_regression_pool_cap_over_budget_raises_budget_error() -> None:
     # Found by the nightly fuzz: the solver met the budget (216 B) by offloading two tensors,
     # the 4 KiB pool cap then kept one on the device, and the plan ran at 304 B, over the
     # budget, with on_infeasible="raise" and only the pool's warning. It now raises.
+    # Per graph, it raises when the graph compiles.
     model, inputs = build(POOL_CAPPED)
+    per_graph = fxckpt.backend(**POOL_CAPPED_OPTIONS, budget_scope="graph")
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        torch.compile(model, backend=fxckpt.backend(**POOL_CAPPED_OPTIONS))(*inputs).backward()
+        torch.compile(model, backend=per_graph)(*inputs).backward()
     err = info.value.inner_exception
     assert isinstance(err, fxckpt.BudgetError), type(err)
     assert err.smallest_bytes > err.budget_bytes
     assert "a larger host_budget or an offload_dir" in err.suggestions
+    # For the step (the default), under a fraction a later graph could still make room, so
+    # it raises in the step's backward: the same budget, floor and hints (one graph).
+    torch._dynamo.reset()
+    with pytest.raises(fxckpt.BudgetError) as step_info:
+        torch.compile(model, backend=fxckpt.backend(**POOL_CAPPED_OPTIONS))(*inputs).backward()
+    got = step_info.value
+    assert (got.budget_bytes, got.smallest_bytes, got.suggestions, got.scope) == (
+        err.budget_bytes, err.smallest_bytes, err.suggestions, "graph"
+    )
 
 
 def test_regression_pool_cap_over_budget_warns_in_warn_mode() -> None:

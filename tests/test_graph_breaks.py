@@ -1,9 +1,10 @@
 """A deliberate graph break inside the block stack: stride and budget still apply per graph.
 
 Blocks are numbered by the integer in their module path (``layers.2`` is block 2), so a
-stride picks the same blocks on both sides of a break, and a budget is met by each graph on
-its own. A break *inside a loop* over the blocks is another matter: dynamo then skips the
-whole frame, and each block's forward becomes a graph of its own that every block shares;
+stride picks the same blocks on both sides of a break, and under ``budget_scope="graph"`` a
+budget is met by each graph on its own (the step's budget: tests/test_step_budget.py). A
+break *inside a loop* over the blocks is another matter: dynamo then skips the whole frame,
+and each block's forward becomes a graph of its own that every block shares;
 the last test pins down what fxckpt does there (docs/limitations.md).
 """
 
@@ -76,7 +77,9 @@ def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
     torch.manual_seed(0)
     # Unit costs: copies cost nothing fixed, so both graphs offload (priced at the CPU engine's
     # hand-off, these tiny blocks are cheaper to recompute, and then nothing is offloaded).
-    backend = fxckpt.backend(compiler="eager", memory_budget=0.3, cost_model="unit")
+    backend = fxckpt.backend(
+        compiler="eager", memory_budget=0.3, cost_model="unit", budget_scope="graph"
+    )
     compiled = assert_step_matches(BrokenGPT(), gpt_inputs(), backend, steps=2)
     plans = fxckpt.last_plans()
     assert len(plans) == 2

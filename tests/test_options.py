@@ -68,6 +68,7 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "compiler", v) for v in ["aot_eager", "Inductor", None, False]),
     *(({}, "on_infeasible", v) for v in ["ignore", "Raise", None, False]),
     *(({}, "adapt", v) for v in ["always", "Auto", None, True, 2]),
+    *(({}, "budget_scope", v) for v in ["steps", "Graph", None, 0]),
     *(({}, "blocks", v) for v in ["(", "layers[", "*", "", 3, b"layers", ["layers"]]),
     *(({}, "block_index", v) for v in [-1, "0", 1.0, True]),
     ({"blocks": "layers"}, "block_index", 0),
@@ -224,7 +225,8 @@ def test_defaults() -> None:
         "min_offload_bytes": 0, "prefetch": "auto", "coalesce": "auto", "copy_streams": 1,
         "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
         "bandwidth": None, "cost_model": "flops",
-        "compiler": "inductor", "on_infeasible": "raise", "adapt": "auto", "blocks": None,
+        "compiler": "inductor", "on_infeasible": "raise", "adapt": "auto",
+        "budget_scope": "step", "blocks": None,
         "block_index": None,
     }  # fmt: skip
 
@@ -242,6 +244,7 @@ def test_segment_width_defaults_to_stride(stride: int, width: int | None, expect
      ("cost_model", "profile", "profile"), ("cost_model", "unit", "unit"),
      ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
      ("adapt", "never", "never"), ("adapt", "measure", "measure"),
+     ("budget_scope", "graph", "graph"),
      ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
      ("min_offload_bytes", 0, 0), ("pinned_pool_bytes", "8GiB", 8 * GiB),
      ("host_budget", "64GiB", 64 * GiB), ("host_budget", 0, 0), ("host_budget", 0.25, 0.25),
@@ -307,7 +310,8 @@ def test_cache_key_equal_for_equal_options() -> None:
      {"pinned_pool_bytes": 0}, {"host_budget": 0.5}, {"host_budget": "auto"},
      {"offload_dir": "/tmp"}, {"offload_dir_bandwidth": "1GB/s"}, {"bandwidth": 1},
      {"cost_model": "unit"},
-     {"compiler": "eager"}, {"on_infeasible": "warn"}, {"adapt": "never"}, {"blocks": "x"}],
+     {"compiler": "eager"}, {"on_infeasible": "warn"}, {"adapt": "never"},
+     {"budget_scope": "graph"}, {"blocks": "x"}],
 )  # fmt: skip
 def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
     assert Options.from_mapping(changes).cache_key() != Options().cache_key()
@@ -330,7 +334,7 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 def test_option_names() -> None:
     fields = tuple(f.name for f in dataclasses.fields(Options))
     assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
-    assert len(fields) == 18
+    assert len(fields) == 19
 
 
 @pytest.mark.parametrize(

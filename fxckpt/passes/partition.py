@@ -50,6 +50,7 @@ from fxckpt.graph.costs import assumptions
 from fxckpt.graph.inductor_peak import SOURCE_FX, Pending, add_pending
 from fxckpt.graph.liveness import step_peak_bytes, storage_key
 from fxckpt.options import Options
+from fxckpt.passes import step_budget
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
@@ -180,6 +181,10 @@ def partition(
         baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
     device = device_of(base_fw)
     budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
+    ticket = step_budget.current()  # one graph of a step: its share of the step's budget
+    if ticket is not None and budget is not None:
+        inputs = step_budget.saved_inputs(base_fw, num_fwd_outputs, ticket.produced)
+        budget = ticket.share(bytes_per_storage(baseline), graph_name, inputs)
     report = SegmentReport({}, 0, 0, 0)
     if stride > 0:
         with step(graph_name, "segment"):
@@ -225,8 +230,15 @@ def partition(
     peak = plan_timeline = None
     solution_ms = 0.0
     if decision is not None:
-        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes)
+        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes,
+                          step=ticket is not None)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
+        if ticket is not None:
+            kinds = zip(decision.storages, solution.choices, strict=True)
+            kept = [s.bytes for s, k in kinds if k == "keep"]
+            ticket.planned(peak, sum(kept), reached=solution.feasible, sizes=sizes,
+                           pool_capped=decision.host_capped)  # fmt: skip
+            notes += ticket.notes()
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")
@@ -256,6 +268,7 @@ def partition(
         notes=notes,
     )
     plan.baseline_saved_bytes = bytes_per_storage(baseline)
+    plan.step_inputs_bytes = ticket.inputs() if ticket is not None else 0
     plan.timeline = plan_timeline
     plan.assumptions = assumed
     with step(graph_name, "offload"):

@@ -269,13 +269,14 @@ def block_facts(
 
 def settle(
     decision: RoundDecision, saved: list[SavedActivation], options: Options, budget: int | None,
-    graph_name: str, *, sizes: str = "",
+    graph_name: str, *, sizes: str = "", step: bool = False,
 ) -> Solution:
     """What follows the last round: an unmet budget raises (or warns), naming
     ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
-    and one warning says what the host budget moved."""
+    and one warning says what the host budget moved. ``step``: the budget is the graph's
+    share of a step's, and the step (:mod:`fxckpt.passes.step_budget`) judges a miss."""
     solution = decision.solution
-    if budget is not None and not solution.feasible:
+    if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,
                    sizes=sizes)  # fmt: skip
     warn_host_short(graph_name, decision.host)
@@ -290,19 +291,24 @@ def infeasible(
 
     Every hint names an option the user set: the planner already relaxed the defaults.
     """
-    hints = ["a larger host_budget or an offload_dir"] if pool_capped else []
-    if options.offload == "never":
-        hints.append("offload='auto'")
-    if options.segment_stride == 0 and options.is_explicit("segment_stride"):
-        hints.append("segment_stride unset (the planner then recomputes blocks as needed)")
-    elif options.segment_width is not None and options.segment_width < options.segment_stride:
-        hints.append(f"segment_width={options.segment_stride}")
-    if options.min_offload_bytes > 0 and options.offload != "never":
-        hints.append("a smaller min_offload_bytes")
-    error = BudgetError(graph_name, budget, smallest, hints, sizes)
+    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes)
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
+
+
+def hints(options: Options, pool_capped: bool = False) -> list[str]:
+    """The options the user set that would let the planner go lower."""
+    out = ["a larger host_budget or an offload_dir"] if pool_capped else []
+    if options.offload == "never":
+        out.append("offload='auto'")
+    if options.segment_stride == 0 and options.is_explicit("segment_stride"):
+        out.append("segment_stride unset (the planner then recomputes blocks as needed)")
+    elif options.segment_width is not None and options.segment_width < options.segment_stride:
+        out.append(f"segment_width={options.segment_stride}")
+    if options.min_offload_bytes > 0 and options.offload != "never":
+        out.append("a smaller min_offload_bytes")
+    return out
 
 
 def timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200

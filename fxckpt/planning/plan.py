@@ -146,6 +146,10 @@ class Plan:
     # What that prediction read: "fx liveness" (the graphs' nodes, exact op by op) or
     # "inductor schedule" (Inductor's buffers in its final order, graph.inductor_peak).
     step_peak_source: str | None = None
+    # Under a step budget: bytes of earlier graphs' outputs this graph saves. The step counts
+    # them (in this graph's baseline and peak), this plan's figures do not; written only
+    # where nonzero.
+    step_inputs_bytes: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -199,7 +203,7 @@ class Plan:
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
             "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
             "step_peak_source": self.step_peak_source,
-        }
+        } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
@@ -216,6 +220,7 @@ class Plan:
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
             predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
             step_peak_source=d.get("step_peak_source"),
+            step_inputs_bytes=int(d.get("step_inputs_bytes", 0)),
         )
 
     def summary(self) -> str:

@@ -124,6 +124,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "notes": {"type": "array", "items": _NAME},
         "activations": {"type": "array", "items": ACTIVATION_SCHEMA},
         "timeline": TIMELINE_SCHEMA,
+        "step_inputs_bytes": _INT,
     },
 }
 
