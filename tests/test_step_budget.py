@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from equality import assert_step_matches
-from models import Block, gpt_inputs, hf_model
+from models import GPT, Block, gpt_inputs, hf_model
 
 import fxckpt
 from fxckpt.errors import BudgetError
@@ -73,16 +73,8 @@ def _check_step(make: Any, reference: Any = None, **options: Any) -> list[fxckpt
     return plans
 
 
-class LossAfterBreak(nn.Module):
-    """A small GPT whose loss runs in a graph of its own, after a graph break."""
-
-    def __init__(self, n_layers: int = 4) -> None:
-        super().__init__()
-        d, vocab = 32, 64
-        self.wte = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Block(d, 2, 0.0) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
+class LossAfterBreak(GPT):
+    """The test GPT, its loss in a graph of its own, after a graph break."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
