@@ -5,6 +5,7 @@ directories refused at compile time, the planner's reasons, and ``fxckpt inspect
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import warnings
@@ -74,7 +75,11 @@ def _dirs() -> dict[str, str]:
 @pytest.fixture
 def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     engine.configure()
-    pool.trim_all()  # empty pools: the high-water mark starts from nothing
+    # Empty pools, so the high-water mark and the host allocations start from nothing: models
+    # an earlier test file compiled in this worker release their buffers first.
+    torch._dynamo.reset()
+    gc.collect()
+    pool.trim_all()
     fxckpt.reset_stats()
     monkeypatch.setattr(profiles.default(), "disk", None)
     yield
