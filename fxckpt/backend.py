@@ -250,14 +250,8 @@ def compile_partitioned(
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     else:
-        from fxckpt.graph import inductor_peak
-
         patches = inductor_patches(partitioner, mode)
-        with inductor_peak.capturing() as inner:
-            compiled = compat.compile_fx(
-                gm, example_inputs, inner_compile=inner,
-                config_patches={**patches, **compat.post_fusion_hook(inductor_peak.record_scheduled)},
-            )
+        compiled = compat.compile_fx(gm, example_inputs, config_patches=patches)
     # What the first training step really holds for the backward, against the plan.
     if offline:
         return compiled

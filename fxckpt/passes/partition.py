@@ -47,8 +47,7 @@ from fxckpt.graph.activations import (
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
-from fxckpt.graph.inductor_peak import SOURCE_FX, Pending, add_pending
-from fxckpt.graph.liveness import step_peak_bytes, storage_key
+from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.options import Options
 from fxckpt.passes import step_budget
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
@@ -280,10 +279,7 @@ def partition(
             plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
     with step(graph_name, "note"):
         plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
-        plan.step_peak_source = SOURCE_FX
         payload = record(plan)
-        if inductor:
-            _await_inductor_peak(plan, payload, fw, bw, record)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
     if inductor:
@@ -291,31 +287,6 @@ def partition(
             fw, bw = pin_positions(fw), pin_positions(bw)
     _log_plan(plan)
     return fw, bw
-
-
-def _await_inductor_peak(
-    plan: Plan, payload: str, fw: fx.GraphModule, bw: fx.GraphModule,
-    record: Callable[[Plan], str],
-) -> None:
-    """Have the plan's step peak re-read from Inductor's schedule once both graphs are
-    compiled (:mod:`fxckpt.graph.inductor_peak`); the graphs keep the payload they carry,
-    which the amended one stands for wherever it is reported."""
-    from fxckpt.runtime import stats
-
-    inputs = {key for n in fw.graph.find_nodes(op="placeholder")
-              if (key := storage_key(n.meta.get("val"))) is not None}  # fmt: skip
-    pre_existing = frozenset(
-        n.name for n in bw.graph.find_nodes(op="placeholder")
-        if storage_key(n.meta.get("val")) in inputs
-    )
-
-    def amend(peak: int, source: str) -> None:
-        if source == plan.step_peak_source and peak == plan.predicted_step_peak_bytes:
-            return
-        plan.predicted_step_peak_bytes, plan.step_peak_source = peak, source
-        stats.amend_plan_payload(payload, record(plan))
-
-    add_pending(Pending(plan.predicted_step_peak_bytes or 0, pre_existing, amend))
 
 
 def _check_budget(

@@ -143,9 +143,6 @@ class Plan:
     # The whole training step's peak, predicted from the rewritten graphs' liveness
     # (graph.liveness.step_peak_bytes): saved, recomputed, restored and every other tensor.
     predicted_step_peak_bytes: int | None = None
-    # What that prediction read: "fx liveness" (the graphs' nodes, exact op by op) or
-    # "inductor schedule" (Inductor's buffers in its final order, graph.inductor_peak).
-    step_peak_source: str | None = None
     # Under a step budget: bytes of earlier graphs' outputs this graph saves. The step counts
     # them (in this graph's baseline and peak), this plan's figures do not; written only
     # where nonzero.
@@ -202,7 +199,6 @@ class Plan:
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
             "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
-            "step_peak_source": self.step_peak_source,
         } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {})
 
     @staticmethod
@@ -219,7 +215,6 @@ class Plan:
             timeline=d.get("timeline"),
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
             predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
-            step_peak_source=d.get("step_peak_source"),
             step_inputs_bytes=int(d.get("step_inputs_bytes", 0)),
         )
 

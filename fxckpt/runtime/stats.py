@@ -75,9 +75,6 @@ _resetters: list[Callable[[], None]] = []
 _plans: dict[str, None] = {}
 # Each copy meter's totals at the last reset: the graphs' figures count from there.
 _meter_base: dict[copy_meter.CopyMeter, copy_meter.CopyTotals] = {}
-# A payload amended after the graph that carries it was compiled (the step's peak under
-# Inductor, known once Inductor has scheduled both graphs) -> its amended text.
-_amended: dict[str, str] = {}
 
 
 class BudgetOverrunWarning(UserWarning):
@@ -308,21 +305,8 @@ def add_plan_payload(s: str) -> None:
     """Remember a plan payload (a JSON string); empty strings and repeats are ignored."""
     if not s or s in _plans:
         return
-    s = _amended.get(s, s)
-    if s in _plans:
-        return
     with _lock:
         _plans[s] = None
-
-
-def amend_plan_payload(old: str, new: str) -> None:
-    """Stand ``new`` for ``old`` from now on, where ``old`` was reported and everywhere a
-    graph reports it again."""
-    with _lock:
-        _amended[old] = new
-        order = [new if k == old else k for k in _plans]
-        _plans.clear()
-        _plans.update(dict.fromkeys(order))
 
 
 def plan_payloads() -> list[str]:
