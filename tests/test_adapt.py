@@ -44,6 +44,20 @@ def _check_grads(model: torch.nn.Module, ref: torch.nn.Module) -> None:
         torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _step_against_eager(compiled: Any, model: torch.nn.Module, ref: torch.nn.Module,
+                        idx: torch.Tensor, tgt: torch.Tensor) -> None:
+    """One training step of ``compiled`` (training ``model``) and of eager ``ref``: the loss
+    and every gradient equal."""
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    loss = compiled(idx, tgt)
+    loss.backward()
+    want = ref(idx, tgt)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    _check_grads(model, ref)
+
+
 def train(options: dict[str, Any], steps: int, *, lengths: list[int] | None = None,
           dynamic: bool | None = None, seed: int = 0) -> list[str]:
     """Train a small GPT against eager for ``steps`` steps; the plan names in stats()."""
@@ -54,14 +68,7 @@ def train(options: dict[str, Any], steps: int, *, lengths: list[int] | None = No
     for i in range(steps):
         seq = 16 if lengths is None else lengths[i % len(lengths)]
         idx, tgt = gpt_inputs(seq=seq, seed=i)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        loss = compiled(idx, tgt)
-        loss.backward()
-        want = ref(idx, tgt)
-        want.backward()
-        torch.testing.assert_close(loss, want)
-        _check_grads(model, ref)
+        _step_against_eager(compiled, model, ref, idx, tgt)
     return sorted(fxckpt.stats()["graphs"])
 
 
@@ -241,14 +248,7 @@ def _train_deep(options: dict[str, Any], steps: int) -> None:
     compiled = torch.compile(model, backend=fxckpt.backend(**options))
     for i in range(steps):
         idx, tgt = gpt_inputs(seq=128, seed=i)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        loss = compiled(idx, tgt)
-        loss.backward()
-        want = ref(idx, tgt)
-        want.backward()
-        torch.testing.assert_close(loss, want)
-        _check_grads(model, ref)
+        _step_against_eager(compiled, model, ref, idx, tgt)
 
 
 @pytest.fixture
