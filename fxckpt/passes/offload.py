@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
 from fxckpt.graph import meta
+from fxckpt.graph.activations import storage_key
 from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
 
 OFFLOAD = torch.ops.fxckpt.offload.default
@@ -261,8 +262,12 @@ def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
     srcs = [g.fw_nodes[n] for n in p.names]
     vals = [s.meta["val"] for s in srcs]
     source = ",".join(p.names)
+    shared = shared_storages(vals)
+    start = dict(g.start)
+    if shared is not None:
+        start.update(groups=shared.groups, offsets=shared.offsets, strides=shared.strides)
     with fw.graph.inserting_after(g.fw_nodes[p.offload_after]):
-        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,), dict(g.start),
+        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,), start,
                                       name=f"{p.names[0]}_bucket")
     handle.meta.update({"val": _handle_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD,
                         meta.SOURCE: source})  # fmt: skip
@@ -286,28 +291,96 @@ def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
     with bw.graph.inserting_before(g.bw_nodes[p.prefetch_before]):
         pre = bw.graph.call_function(PREFETCH, (new_ph,))
     pre.meta.update({"val": new_ph.meta["val"], meta.ROLE: meta.ROLE_PREFETCH, meta.SOURCE: source})
+    # One restored tensor per part: a member alone, or a shared storage's stretch (1-D).
+    part_of = shared.groups if shared is not None else list(range(len(vals)))
+    parts: list[torch.Tensor] = []
+    for k, val in enumerate(vals):
+        if part_of[k] == len(parts):
+            parts.append(val if shared is None or part_of.count(part_of[k]) == 1
+                         else _stretch_val(val, shared.spans[part_of[k]]))  # fmt: skip
     with bw.graph.inserting_before(g.bw_nodes[p.wait_before]):
         sizes: list[Any] = []
         strides: list[Any] = []
-        for val in vals:
+        for val in parts:
             size, stride = g.layout(val)
             sizes += size
             strides += stride
-        ranks = [v.dim() for v in vals]
+        ranks = [v.dim() for v in parts]
         restored = bw.graph.call_function(
             WAIT_MANY, (new_ph, pre, sizes, strides, ranks, vals[0].dtype, vals[0].device)
         )
-    restored.meta.update({"val": [ph.meta["val"] for ph in phs], meta.ROLE: meta.ROLE_WAIT,
-                          meta.SOURCE: source})  # fmt: skip
+    restored.meta.update({"val": list(parts), meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: source})
     anchor = restored
+    items: dict[int, fx.Node] = {}
     for k, ph in enumerate(phs):
-        with bw.graph.inserting_after(anchor):
-            item = bw.graph.call_function(operator.getitem, (restored, k))
-        item.meta.update(dict(ph.meta))
-        item.meta[meta.SOURCE] = ph.name
-        ph.replace_all_uses_with(item)
+        j = part_of[k]
+        if j not in items:
+            with bw.graph.inserting_after(anchor):
+                items[j] = anchor = bw.graph.call_function(operator.getitem, (restored, j))
+            items[j].meta.update({"val": parts[j], meta.SOURCE: ph.name})
+        member = items[j]
+        if parts[j] is not vals[k]:  # a view of its storage's stretch, as it was in the forward
+            assert shared is not None
+            view = (list(vals[k].shape), list(vals[k].stride()), shared.offsets[k])
+            with bw.graph.inserting_after(anchor):
+                member = anchor = bw.graph.call_function(torch.ops.aten.as_strided.default,
+                                                         (items[j], *view))  # fmt: skip
+            member.meta.update(dict(ph.meta))
+            member.meta["val"] = _in_fake_mode(parts[j], lambda t, v=view: t.as_strided(*v))
+        else:
+            member.meta.update(dict(ph.meta))
+        member.meta[meta.SOURCE] = ph.name
+        ph.replace_all_uses_with(member)
         bw.graph.erase_node(ph)
-        anchor = item
+
+
+@dataclass(frozen=True)
+class SharedStorages:
+    """Members of a bucket that are views of one storage: the ``offload_many`` arguments that
+    send each such storage as one part (see :func:`fxckpt.runtime.bucket_ops.offload_many`)."""
+
+    groups: list[int]  # per member, its part: numbered in order of first appearance
+    offsets: list[int]  # per member, elements from its part's start
+    strides: list[int]  # every member's strides, concatenated
+    spans: list[int]  # per part, its elements
+
+
+def shared_storages(vals: Sequence[torch.Tensor]) -> SharedStorages | None:
+    """How ``vals`` share storages, where any two do and every layout is concrete; else None
+    (each member is then its own part, as are members of symbolic layout)."""
+    keys = [storage_key(v) for v in vals]
+    if all(k is None or keys.count(k) == 1 for k in keys):
+        return None
+    given = [(*v.shape, *v.stride(), v.storage_offset()) for v in vals]
+    if not all(type(x) is int for xs in given for x in xs):
+        return None
+    layouts = [(tuple(int(n) for n in v.shape), tuple(int(s) for s in v.stride()),
+                int(v.storage_offset())) for v in vals]  # fmt: skip
+    first: dict[Any, int] = {}
+    groups = []
+    for k, key in enumerate(keys):
+        groups.append(first.setdefault(key if key is not None else ("alone", k), len(first)))
+    start = {g: min(off for (_, _, off), h in zip(layouts, groups, strict=True) if h == g)
+             for g in set(groups)}  # fmt: skip
+    offsets = [off - start[g] for (_, _, off), g in zip(layouts, groups, strict=True)]
+    spans = [0] * len(first)
+    for (size, stride, _), g, off in zip(layouts, groups, offsets, strict=True):
+        reach = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        spans[g] = max(spans[g], off + reach)
+    strides = [s for _, stride, _ in layouts for s in stride]
+    return SharedStorages(groups, offsets, strides, spans)
+
+
+def _in_fake_mode(like: torch.Tensor, fn: Any) -> torch.Tensor:
+    fake_mode = getattr(like, "fake_mode", None)
+    if fake_mode is None:
+        return fn(like)
+    with fake_mode:
+        return fn(like)
+
+
+def _stretch_val(like: torch.Tensor, span: int) -> torch.Tensor:
+    return _in_fake_mode(like, lambda t: torch.empty(span, dtype=t.dtype, device=t.device))
 
 
 def insert_note(

@@ -100,7 +100,7 @@ def restored(span: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...],
              rec_size: tuple[int, ...], rec_stride: tuple[int, ...]) -> torch.Tensor:
     """The tensor of ``size`` and ``stride`` over a restored ``span`` that was offloaded from
     a tensor of ``rec_size`` and ``rec_stride``."""
-    if _same_layout(size, stride, rec_size, rec_stride):
+    if same_layout(size, stride, rec_size, rec_stride):
         return span.as_strided(size, stride)
     # Inductor may hand offload a tensor in another memory layout than the graph's metadata
     # says (it chose a contiguous buffer for a permuted view); the backward was compiled for
@@ -110,7 +110,7 @@ def restored(span: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...],
     return out
 
 
-def _same_layout(size: tuple[int, ...], stride: tuple[int, ...], rec_size: tuple[int, ...],
+def same_layout(size: tuple[int, ...], stride: tuple[int, ...], rec_size: tuple[int, ...],
                  rec_stride: tuple[int, ...]) -> bool:
     # The stride of a dimension of size 0 or 1 never moves an address, and torch is free to
     # report any value there (a fake tensor and the real one can disagree).

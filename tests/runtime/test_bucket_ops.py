@@ -168,3 +168,69 @@ def test_bad_buckets_are_refused_with_the_reason():
         wait(h, h, srcs[::-1])
     with pytest.raises(RuntimeCopyError, match="do not add up"):
         OPS.wait_many(h, h, [33], [1], [1, 2], torch.float32, torch.device("cpu"))
+
+
+def _qkv() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A fused projection's output and three head-split views of it, one storage."""
+    base = torch.randn(2, 4, 24, generator=torch.Generator().manual_seed(1))
+    return base, [z.view(2, 4, 2, 4).transpose(1, 2) for z in base.split(8, dim=-1)]
+
+
+def _shared_kwargs(views: list[torch.Tensor]) -> dict[str, list[int]]:
+    return {"groups": [0] * len(views), "offsets": [v.storage_offset() for v in views],
+            "strides": [s for v in views for s in v.stride()]}  # fmt: skip
+
+
+def _restore_shared(h: torch.Tensor, views: list[torch.Tensor], span: int) -> list[torch.Tensor]:
+    (stretch,) = OPS.wait_many(h, OPS.prefetch(h), [span], [1], [1], views[0].dtype, views[0].device)
+    return [stretch.as_strided(v.shape, v.stride(), v.storage_offset()) for v in views]
+
+
+@pytest.mark.parametrize("lies", ["as_compiled", "relaid"])
+def test_views_of_one_storage_cross_once_and_come_back_as_one_buffer(lies):
+    engine.configure(copy_delay_s=0.002, poison_fresh=True)
+    base, views = _qkv()
+    kwargs = _shared_kwargs(views)
+    # As compiled: the views of one storage. Relaid: each view its own buffer at run time
+    # (a compiler may lay a tensor out otherwise), so the stretch is assembled first.
+    srcs = views if lies == "as_compiled" else [v.clone() for v in views]
+    span = base.numel()  # from q's first element to v's last one: the whole storage, once
+    before = stats.snapshot()
+    h = OPS.offload_many(srcs, **kwargs)
+    OPS.offload_many_done(h, srcs)
+    out = _restore_shared(h, views, span)
+    after = stats.snapshot()
+    assert after["offloaded_bytes"] - before["offloaded_bytes"] == span * base.element_size()
+    assert after["copy_handoffs"] - before["copy_handoffs"] == 2
+    for o, v in zip(out, views, strict=True):
+        assert torch.equal(o, v)
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    assert out[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
+def test_shared_groups_with_members_of_their_own_keep_the_order_of_parts():
+    _, views = _qkv()
+    alone = torch.randn(5)
+    srcs = [views[0], alone, views[1]]
+    kwargs = {"groups": [0, 1, 0], "offsets": [0, 0, 8],
+              "strides": [*views[0].stride(), 1, *views[1].stride()]}  # fmt: skip
+    h = OPS.offload_many(srcs, **kwargs)
+    OPS.offload_many_done(h, srcs)
+    stretch, got = OPS.wait_many(h, h, [184, 5], [1, 1], [1, 1], alone.dtype, alone.device)
+    assert torch.equal(got, alone)
+    assert torch.equal(stretch.as_strided(views[1].shape, views[1].stride(), 8), views[1])
+
+
+def test_groups_that_do_not_number_the_parts_are_a_clean_error():
+    _, views = _qkv()
+    with pytest.raises(RuntimeCopyError, match="must number 0, 1"):
+        OPS.offload_many(views, groups=[1, 1, 1], offsets=[0, 8, 16],
+                         strides=[s for v in views for s in v.stride()])  # fmt: skip
+    with pytest.raises(RuntimeCopyError, match="one offset each"):
+        OPS.offload_many(views, groups=[0, 0, 0], offsets=[0, 8], strides=[])
+
+
+def test_opcheck_offload_many_with_shared_groups():
+    _, views = _qkv()
+    torch.library.opcheck(OPS.offload_many.default, (views,), _shared_kwargs(views),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

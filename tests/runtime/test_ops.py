@@ -59,7 +59,8 @@ def test_schemas_are_the_contract():
         "fxckpt::wait(Tensor handle, Tensor ticket, SymInt[] size, SymInt[] stride, ScalarType dtype, "
         "Device device, Tensor[]? after=None) -> Tensor",
         "fxckpt::note_saved(Tensor[] saved, str plan, Tensor[]? after=None) -> ()",
-        "fxckpt::offload_many(Tensor[] srcs, Tensor[]? after=None, *, str? profile=None) -> Tensor",
+        "fxckpt::offload_many(Tensor[] srcs, Tensor[]? after=None, *, str? profile=None, "
+        "int[]? groups=None, SymInt[]? offsets=None, SymInt[]? strides=None) -> Tensor",
         "fxckpt::offload_many_done(Tensor handle, Tensor[] keepalive, Tensor[]? after=None) -> Tensor",
         "fxckpt::wait_many(Tensor handle, Tensor ticket, SymInt[] sizes, SymInt[] strides, "
         "int[] ranks, ScalarType dtype, Device device, Tensor[]? after=None) -> Tensor[]",
