@@ -121,7 +121,8 @@ def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
     return max(live_bytes_timeline(gm), default=0)
 
 
-def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                    transient: Collection[torch.fx.Node] = ()) -> int:
     """The peak of the memory one training step allocates, predicted from the liveness of its
     partitioned forward and backward graphs as fxckpt's rewrite left them.
 
@@ -130,14 +131,15 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
     offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
     saved tensors, freed at their last use; the tangents), what it computes and recomputes,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
-    Each graph's timeline is exact for graphs run op by op (``compiler="eager"``); Inductor
-    fuses ops and frees buffers it reuses, so there it is an upper bound.
+    Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
+    ``transient``: nodes of either graph whose values never reach memory (what Inductor
+    computes inside a fused kernel), which count nothing.
     """
     # Storages of the forward's inputs, whatever aliases them later (a saved transpose of a
     # weight): the two graphs' values share one fake mode, so its storages too.
     inputs = {key for n in fw.graph.find_nodes(op="placeholder")
               if (key := storage_key(n.meta.get("val"))) is not None}
-    fw_live = live_bytes_timeline(fw, skip_storages=inputs)
+    fw_live = live_bytes_timeline(fw, counted=lambda n: n not in transient, skip_storages=inputs)
     pos = {n: k for k, n in enumerate(bw.graph.nodes)}
     early: dict[torch.fx.Node, int] = {}
     fresh: dict[torch.fx.Node, int] = {}
@@ -155,7 +157,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
             early[m], fresh[m] = at, span_bytes(m.meta.get("val"))
     bw_live = live_bytes_timeline(
         # A bucket's wait names its members' storages; each member counts, as its getitem.
-        bw, counted=lambda n: n not in waits, allocated_at=early, skip_storages=inputs,
+        bw, counted=lambda n: n not in waits and n not in transient, allocated_at=early,
+        skip_storages=inputs,
         fresh=fresh,
     )
     return max([*fw_live, *bw_live], default=0)

@@ -64,7 +64,7 @@ from fxckpt.passes.rounds import (
     step,
 )
 from fxckpt.passes.saved_layout import keep_input_layouts
-from fxckpt.passes.schedule import coalesce, pin_positions, place_offloads
+from fxckpt.passes.schedule import coalesce, fused_intermediates, pin_positions, place_offloads
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
 from fxckpt.passes.shape_budget import BudgetCheck, check_budget, plan_for_longest, sizes_note
 from fxckpt.passes.size_range import fit_range
@@ -278,7 +278,9 @@ def partition(
         with step(graph_name, "saved layouts"):
             plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
     with step(graph_name, "note"):
-        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw)
+        # Under Inductor, what it computes inside fused kernels never reaches memory.
+        fused = fused_intermediates(fw) | fused_intermediates(bw) if inductor else set()
+        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw, fused)
         payload = record(plan)
         resident = _resident(fw, part, decision)
         fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)

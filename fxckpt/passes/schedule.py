@@ -153,6 +153,59 @@ def _fusable_runs(nodes: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:
     return runs
 
 
+def fused_intermediates(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose values Inductor keeps inside kernels, never in memory.
+
+    A pointwise op read by one pointwise op or reduction, wherever it sits, is inlined into
+    its reader's kernel, as is an op reading no tensor (``full``, ``ones``) read only by
+    such ops. A pointwise op or reduction of a run (:func:`_fusable_runs`) read only by later
+    ops of that run is fused with them. A value read by the graph's output, by an extern
+    kernel or by one of fxckpt's ops is a buffer. Inductor inlines more than this (a
+    pointwise op with several cheap readers, say), so a timeline without these nodes is
+    still an upper bound under Inductor.
+    """
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    runs = _fusable_runs(nodes)
+    out: set[fx.Node] = set()
+    for i, n in enumerate(nodes):
+        if not (n.op == "call_function" and isinstance(n.target, compat.OpOverload)
+                and not n.target.is_view and meta.ROLE not in n.meta and _tensor_val(n)):  # fmt: skip
+            continue
+        readers = _compute_readers(n)
+        if not readers or not all(_computes(r) and _fusable(r) for r in readers):
+            continue
+        if not any(_tensor_val(a) for a in n.all_input_nodes):
+            out.add(n)
+        elif _pointwise(n) and len(readers) == 1:
+            out.add(n)
+        elif (run := runs.get(i)) is not None and all(i < pos[r] <= run[1] for r in readers):
+            out.add(n)
+    return out
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return torch.Tag.pointwise in node.target.tags  # type: ignore[union-attr]
+
+
+def _compute_readers(node: fx.Node) -> list[fx.Node] | None:
+    """The nodes that read ``node``'s value, through views and getitems; None where the
+    graph's output or an op of fxckpt's reads it."""
+    found: list[fx.Node] = []
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u.op != "call_function" or meta.ROLE in u.meta:
+            return None
+        if _computes(u):
+            found.append(u)
+        elif u.target is operator.getitem or (isinstance(u.target, compat.OpOverload) and u.target.is_view):
+            todo.extend(u.users)
+        else:
+            return None
+    return found
+
+
 def _inputs(node: fx.Node) -> set[fx.Node]:
     """The graph inputs ``node`` reads, through views."""
     found, todo = set(), list(node.all_input_nodes)
