@@ -3,8 +3,8 @@
     python -m benchmarks.planner_scaling --json docs/benchmarks/planner_scaling.json
 
 1. Real graphs: the GPT-style decoder with 6 to 48 layers is planned offline (``fxckpt.inspect``,
-   meta tensors, ``memory_budget=0.3``). The partitioner's own step timings (the
-   ``fxckpt.passes.partition`` debug log) give the time of each step; the solver's input, a
+   meta tensors, ``memory_budget=0.3``). The partitioner's own step timings (its
+   stages' events, ``fxckpt.passes.pipeline.listening``) give the time of each step; the solver's input, a
    :class:`fxckpt.graph.memory.Problem`, is captured on its way into the solver.
 2. Greedy against MILP: every captured problem, and small synthetic ones, solved with
    ``fxckpt.planning.solve.solve(problem, budget, method="greedy" | "milp")`` at budgets that
@@ -26,7 +26,6 @@ import argparse
 import builtins
 import contextlib
 import json
-import logging
 import math
 import random
 import sys
@@ -59,26 +58,17 @@ class Capture:
         return sum(ms for _, ms in self.steps)
 
 
-class _StepLog(logging.Handler):
-    def __init__(self, capture: Capture) -> None:
-        super().__init__(logging.DEBUG)
-        self.capture = capture
-
-    def emit(self, record: logging.LogRecord) -> None:
-        # partition.step logs "fxckpt[%s] %-18s %.1f ms" with (graph, name, ms)
-        if record.msg.startswith("fxckpt[%s] %-18s") and len(record.args or ()) == 3:
-            _, name, ms = record.args  # type: ignore[misc]
-            self.capture.steps.append((str(name).strip(), float(ms)))
-
-
 @contextlib.contextmanager
 def capturing() -> Iterator[Capture]:
     """Record the partitioner's step timings and the solver's problems while inside."""
     import fxckpt.passes.plan_round as plan_round
+    from fxckpt.passes.pipeline import StageDone, listening
 
     cap = Capture()
-    logger = logging.getLogger("fxckpt.passes.partition")
-    handler, old_level, old_choose = _StepLog(cap), logger.level, plan_round.choose
+    old_choose = plan_round.choose
+
+    def heard(done: StageDone) -> None:
+        cap.steps.append((done.name, done.seconds * 1e3))
 
     def choose(problem: Any, blocks: Any, budget: int | None, prefetch: str) -> Any:
         start = time.perf_counter()
@@ -86,15 +76,12 @@ def capturing() -> Iterator[Capture]:
         cap.problems.append((problem, budget, prefetch, time.perf_counter() - start))
         return pick
 
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
     plan_round.choose = choose
     try:
-        yield cap
+        with listening(heard):
+            yield cap
     finally:
         plan_round.choose = old_choose
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
 
 
 # --------------------------------------------------------------------------------------------

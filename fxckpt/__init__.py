@@ -12,16 +12,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from fxckpt import _torch_compat
-
-# Binding the function after the submodule loads makes ``fxckpt.backend`` the factory, not the
-# module ``fxckpt/backend.py`` (the import system sets that attribute only on first load).
-from fxckpt.backend import backend  # noqa: E402
+# ``fxckpt.backend`` and ``fxckpt.inspect`` are modules that are also their function: called,
+# they build a backend and plan offline (fxckpt/_modules.py).
+from fxckpt import _torch_compat, backend, inspect
 from fxckpt.emulation import EmulatedLink, emulate_link
 from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
-
-# Bound after the submodule loads, like backend: fxckpt.inspect is the function (offline planning).
-from fxckpt.inspect import inspect  # noqa: E402
 from fxckpt.integrations import register_with_accelerate
 from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options

@@ -153,7 +153,7 @@ _set = False  # whether emulate_link() has spoken; until then the environment de
 def parse_env(text: str) -> LinkSpec | None:
     """The link ``FXCKPT_EMULATE_LINK`` asks for: ``"12MB/s"`` or ``"12MB/s,0.05ms"``."""
     from fxckpt.errors import OptionsError
-    from fxckpt.options import parse_bandwidth, parse_duration_ms
+    from fxckpt.units import parse_bandwidth, parse_duration_ms
 
     text = text.strip()
     if not text:

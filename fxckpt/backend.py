@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from fxckpt import _torch_compat as compat
 from fxckpt import residency
+from fxckpt._modules import make_callable
 from fxckpt.errors import OptionsError
 from fxckpt.options import Options, options_from_env
 from fxckpt.planning.plan import Plan
@@ -349,6 +350,5 @@ def backend(**kwargs: Any) -> Backend:
     return Backend(options)
 
 
-def reset_caches() -> None:
-    """Forget compiled graphs, so the next call compiles anew (for tests and benchmarks)."""
-    compat.reset_dynamo()
+
+make_callable(__name__)  # fxckpt.backend(...) is backend(...) (fxckpt/_modules.py)

@@ -24,7 +24,7 @@ from typing import Any
 
 from fxckpt import _link
 from fxckpt.errors import OptionsError
-from fxckpt.options import parse_bandwidth, parse_duration_ms
+from fxckpt.units import parse_bandwidth, parse_duration_ms
 
 
 class EmulatedLink:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+from fxckpt._modules import make_callable
 from fxckpt.backend import Backend
 from fxckpt.errors import FxckptError, OptionsError
 from fxckpt.options import Options
@@ -179,41 +179,19 @@ def _unwrap_paths(plan: Plan) -> Plan:
 # --------------------------------------------------------------------------------------------
 
 
-class _StepProgress(logging.Filter):
-    """Reports each pipeline step the partitioner logs, and keeps the log as it was.
-
-    passes.partition.step logs every step at DEBUG; this filter sees those records while the
-    logger is lowered to DEBUG, then drops the ones the user's logging level would have hidden.
-    """
-
-    def __init__(self, progress: Progress, level: int) -> None:
-        super().__init__()
-        self.progress, self.level = progress, level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if record.funcName == "step" and isinstance(args, tuple) and len(args) == 3:
-            graph, name, ms = args
-            seconds = float(ms) / 1e3 if isinstance(ms, (int, float)) else 0.0
-            self.progress(f"graph {graph}: {str(name).strip()} done in {seconds:.1f} s")
-        return record.levelno >= self.level
-
-
 @contextlib.contextmanager
 def _report_steps(progress: Progress | None) -> Iterator[None]:
+    """Report each stage of the partitioner as it ends (:mod:`fxckpt.passes.pipeline`)."""
     if progress is None:
         yield
         return
-    logger = logging.getLogger("fxckpt.passes.partition")
-    old_level = logger.level
-    filt = _StepProgress(progress, logger.getEffectiveLevel())
-    logger.addFilter(filt)
-    logger.setLevel(logging.DEBUG)
-    try:
+    from fxckpt.passes.pipeline import StageDone, listening
+
+    def say(done: StageDone) -> None:
+        progress(f"graph {done.graph}: {done.name} done in {done.seconds:.1f} s")
+
+    with listening(say):
         yield
-    finally:
-        logger.removeFilter(filt)
-        logger.setLevel(old_level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,3 +366,6 @@ __all__ = [
     "read_hf_config",
     "to_meta",
 ]
+
+
+make_callable(__name__)  # fxckpt.inspect(...) is inspect(...) (fxckpt/_modules.py)

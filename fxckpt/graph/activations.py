@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,3 +187,23 @@ def bytes_per_storage(acts: list[SavedActivation]) -> int:
     for a in acts:
         seen.setdefault(a.storage, a.bytes)
     return sum(seen.values())
+
+
+def saved_inputs(fw: fx.GraphModule, num_fwd_outputs: int,
+                 produced: Sequence[tuple[int, tuple[int, ...]]]) -> int:
+    """Bytes the forward ``fw`` saves of the inputs at ``produced`` (index, shape): outputs of
+    earlier graphs. The forward's placeholders are the graph's inputs in order; an input
+    whose shape does not match (dynamo dropped or added one) is left out."""
+    if not produced:
+        return 0
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    wanted: dict[int, int] = {}  # storage -> bytes; a saved view of an input counts too
+    for i, shape in produced:
+        val = tensor_val(placeholders[i]) if i < len(placeholders) else None
+        if val is not None and tuple(val.shape) == shape and (k := storage_key(val)) is not None:
+            wanted[k] = storage_bytes(val)
+    seen = {
+        k for node in saved_nodes(fw, num_fwd_outputs)
+        if (val := tensor_val(node)) is not None and (k := storage_key(val)) in wanted
+    }  # fmt: skip
+    return sum(wanted[k] for k in seen)

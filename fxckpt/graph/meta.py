@@ -18,7 +18,6 @@ ROLE_NOTE = "note"
 SOURCE = "fxckpt.source"  # name of the saved node an inserted node acts for
 
 # Written by torch (read only).
-VAL = "val"
 NN_MODULE_STACK = "nn_module_stack"
 FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
 RECOMPUTE = "recompute"

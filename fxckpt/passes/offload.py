@@ -13,7 +13,7 @@ import functools
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -21,8 +21,11 @@ import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
 from fxckpt.graph import meta
-from fxckpt.graph.activations import storage_key
+from fxckpt.graph.activations import SavedActivation, storage_key
 from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
+
+if TYPE_CHECKING:
+    from fxckpt.passes.plan_round import RoundDecision
 
 OFFLOAD = torch.ops.fxckpt.offload.default
 OFFLOAD_DONE = torch.ops.fxckpt.offload_done.default
@@ -381,6 +384,26 @@ def _in_fake_mode(like: torch.Tensor, fn: Any) -> torch.Tensor:
 
 def _stretch_val(like: torch.Tensor, span: int) -> torch.Tensor:
     return _in_fake_mode(like, lambda t: torch.empty(span, dtype=t.dtype, device=t.device))
+
+
+def resident_names(fw: fx.GraphModule, saved: Sequence[SavedActivation],
+                   decision: RoundDecision | None) -> list[str]:
+    """Kept saved tensors the note reports. RNG states the partitioner saves to replay a
+    recomputed op (``run_and_save_rng_state``) carry real tensors as meta values, which
+    Inductor's fake-tensor lowering of the note would refuse; they are a few KiB."""
+    nodes = {n.name: n for n in fw.graph.nodes}
+    return [
+        a.name
+        for a in saved
+        if (decision is None or decision.kind_of(a.storage) == "keep")
+        and not _is_rng_state(nodes[a.name])
+    ]
+
+
+def _is_rng_state(node: fx.Node) -> bool:
+    rng = torch.ops.higher_order.run_and_save_rng_state
+    parent = node.args[0] if node.target is operator.getitem and node.args else None
+    return node.target is rng or (isinstance(parent, fx.Node) and parent.target is rng)
 
 
 def insert_note(

@@ -1,31 +1,37 @@
-"""The partitioner pipeline, top to bottom.
+"""The partitioner pipeline: :data:`STAGES`, run in order over one :class:`Context`.
 
-    0. cse                 deduplicate the joint graph once, as min-cut would each run
-    1. graph.blocks        find the repeated blocks and number them
-    2. baseline min-cut    what torch alone would save (the plan's yardstick)
-    3. passes.segment      tag segment interiors PREFER_RECOMPUTE, one ac_graph_id each
-    4. torch min-cut       partition into forward and backward
-    5. graph.activations   the saved tensors, bytes per storage, lifetimes
-    6. planning rounds     passes.plan_round decides (keep / recompute / offload per
-                           storage, the blocks and single ops to recompute); passes.rounds
-                           carries a decision out: it re-tags the joint graph and runs
-                           min-cut again, then asks the next round. Over a range of sizes
-                           fixed by mark_dynamic, passes.size_range has the rounds run again
-                           under a tighter budget until the plan holds at every size
-    7. passes.offload      offload / prefetch / wait ops, and the saved-bytes note
-    8. passes.saved_layout (Inductor) saved graph inputs leave in their own layout, so
-                           Inductor's layout optimization saves no channels-last copy
+    cse               deduplicate the joint graph once, as min-cut would each run
+    blocks            graph.blocks: find the repeated blocks and number them
+    baseline min-cut  what torch alone would save (the plan's yardstick)
+    budget            the budget in bytes; under a step budget, this graph's share
+    segment           passes.segment: tag segment interiors PREFER_RECOMPUTE (a stride)
+    min-cut           torch's min-cut on the tagged graph; graph.activations: the saved
+                      tensors, bytes per storage, lifetimes
+    assumptions       the cost model's figures (bandwidth, compute rates, overheads)
+    plan              passes.rounds: passes.plan_round decides (keep / recompute / offload
+                      per storage, the blocks and single ops to recompute), the decision is
+                      carried out (re-tag, min-cut again) and the next round decides; over a
+                      range fixed by mark_dynamic, passes.size_range plans again under a
+                      tighter budget until the plan holds at every size
+    settle            the Plan: every saved tensor's decision and reason, figures, notes
+    offload           passes.offload: offload / prefetch / wait ops where passes.schedule
+                      places them
+    saved layouts     (Inductor) passes.saved_layout: saved graph inputs keep their layout
+    note              the predicted step peak, and the forward's note of what it keeps
+    pin positions     (Inductor) passes.schedule: every planned position holds in codegen
+    log               the plan, to the log and the structured trace
+
+Each stage is a function of the context; :mod:`fxckpt.passes.pipeline` runs them, times
+each, and tells listeners (``fxckpt inspect``'s progress lines) when one is done.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-import gc
 import json
 import logging
-import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,26 +40,26 @@ import torch.fx as fx
 from fxckpt._torch_compat import (
     dedup_joint,
     lazy_graph_modules,
-    min_cut_rematerialization_partition,
-    min_cut_without_cse,
     trace_plan_artifact,
 )
 from fxckpt.graph.activations import (
     SavedActivation,
     bytes_per_storage,
     device_of,
-    hoist_saved_views,
     saved_activations,
+    saved_inputs,
 )
 from fxckpt.graph.blocks import BlockFacts, find_blocks
 from fxckpt.graph.costs import assumptions
 from fxckpt.graph.liveness import step_peak_bytes
+from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
 from fxckpt.passes import step_budget
 from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
-from fxckpt.passes.host import read_ahead, with_tiers
-from fxckpt.passes.offload import BucketPlacement, Placement, insert_note, insert_offloads
-from fxckpt.passes.plan_round import Partition, RoundDecision, infeasible, settle, timeline
+from fxckpt.passes.cutting import gc_frozen, min_cut
+from fxckpt.passes.offload import insert_note, insert_offloads, resident_names
+from fxckpt.passes.pipeline import Stage, run
+from fxckpt.passes.plan_round import Partition, infeasible, settle, timeline
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -61,12 +67,16 @@ from fxckpt.passes.rounds import (
     clone_joint,
     if_feasible,
     plan_rounds,
-    step,
 )
 from fxckpt.passes.saved_layout import keep_input_layouts
-from fxckpt.passes.schedule import coalesce, fused_intermediates, pin_positions, place_offloads
+from fxckpt.passes.schedule import fused_intermediates, pin_positions, placements
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
-from fxckpt.passes.shape_budget import BudgetCheck, check_budget, plan_for_longest, sizes_note
+from fxckpt.passes.shape_budget import (
+    BudgetCheck,
+    check_budget,
+    sizes_note,
+    upper_bounds_to_plan_for,
+)
 from fxckpt.passes.size_range import fit_range
 from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.planner import build_plan
@@ -74,70 +84,60 @@ from fxckpt.planning.planner import build_plan
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
-    """Keep Python's cyclic garbage collector off the objects that exist before a partition.
+@dataclasses.dataclass
+class Context:
+    """One graph's partition as it goes through the stages: the inputs, then what each
+    stage adds, in stage order. ``bounds`` are the sizes the plan is made for (the upper
+    ends of ranges fixed by ``mark_dynamic``; empty under static shapes)."""
 
-    A compile keeps close to a million objects alive, and partitioning builds and drops
-    hundreds of thousands of FX objects, so full collections keep triggering and each one
-    walks them all: about half of a min-cut run on a 24-layer decoder. ``gc.freeze()`` moves
-    the existing objects out of the collector's reach for the length of the partition, which
-    still collects its own garbage as it goes; ``gc.unfreeze()`` hands them back. Measured on
-    that decoder with a segment stride (four compiles each): first step 5.24 s frozen, 5.77 s
-    with the collector disabled instead, 6.58 s untouched.
+    # The partitioner's inputs.
+    joint: fx.GraphModule
+    joint_inputs: Any
+    options: Options
+    graph_name: str
+    num_fwd_outputs: int
+    record: Callable[[Plan], str]
+    inductor: bool
+    measured: Mapping[str, float] | None
+    min_cut_kwargs: dict[str, Any]
+    bounds: dict[Any, int]
+    # cse
+    deduplicated: bool = False
+    sizes: str = ""
+    # blocks
+    blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
+    source: fx.GraphModule | None = None  # the joint graph that segments tag
+    # baseline min-cut
+    base: GraphPair | None = None
+    baseline: list[SavedActivation] = dataclasses.field(default_factory=list)
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    # budget
+    budget: int | None = None
+    ticket: step_budget.Ticket | None = None
+    # segment, min-cut
+    report: SegmentReport = dataclasses.field(default_factory=lambda: SegmentReport({}, 0, 0, 0))
+    requests: set[str] = dataclasses.field(default_factory=set)
+    segment_ms: float = 0.0
+    part: Partition | None = None
+    # assumptions, plan
+    assumed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    attempt: Attempt | None = None
+    range_check: BudgetCheck = dataclasses.field(default_factory=BudgetCheck)
+    replans: int = 0
+    # settle, offload, note, pin positions: the plan and the graphs that carry it out
+    plan: Plan | None = None
+    fw: fx.GraphModule | None = None
+    bw: fx.GraphModule | None = None
 
-    ``gc.unfreeze()`` thaws every frozen object, so where the program froze some itself (a
-    server after start-up, say) the collector is paused instead, which leaves theirs alone.
-    """
-    if gc.get_freeze_count() > 0 or not gc.isenabled():
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            yield
-        finally:
-            if enabled:
-                gc.enable()
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    @property
+    def stride(self) -> int:
+        return self.options.segment_stride
 
-
-def min_cut(
-    joint: fx.GraphModule,
-    *,
-    joint_inputs: Any,
-    deduplicated: bool = False,
-    consume: bool = False,
-    **kwargs: Any,
-) -> GraphPair:
-    """torch's min-cut on a copy of ``joint``, or on ``joint`` itself where ``consume``
-    (min-cut rewrites the graph it is given; nothing may use ``joint`` afterwards).
-
-    ``deduplicated``: ``joint`` came from :func:`dedup_joint`, so min-cut skips its own
-    common-subexpression pass (about 40 % of its time on a decoder).
-    """
-    run = min_cut_without_cse if deduplicated else min_cut_rematerialization_partition
-    fw, bw = run(joint if consume else clone_joint(joint), joint_inputs, **kwargs)
-    hoist_saved_views(fw)
-    return fw, bw
-
-
-def _partition_context(fn: Callable[..., GraphPair]) -> Callable[..., GraphPair]:
-    """Run ``fn`` with lazy graph modules and the program's objects frozen (see above)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> GraphPair:
-        with lazy_graph_modules(), gc_frozen():
-            return fn(*args, **kwargs)
-
-    return wrapper
+    def cut(self, gm: fx.GraphModule, consume: bool = False) -> GraphPair:
+        return min_cut(gm, joint_inputs=self.joint_inputs, deduplicated=self.deduplicated,
+                       consume=consume, **self.min_cut_kwargs)  # fmt: skip
 
 
-@_partition_context
-@plan_for_longest
 def partition(
     joint: fx.GraphModule,
     joint_inputs: Any,
@@ -150,77 +150,113 @@ def partition(
     measured: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> GraphPair:
-    """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan.
+    """Partition ``joint`` into forward and backward graphs that carry out fxckpt's plan:
+    the :data:`STAGES`, in order, over one :class:`Context`.
 
     ``inductor``: Inductor compiles the result (see :func:`insert_note`). ``measured``:
     figures measured at run time that replace the cost model's (a re-plan, ``fxckpt.adapt``).
     """
-    kwargs["num_fwd_outputs"] = num_fwd_outputs
+    bounds = upper_bounds_to_plan_for(joint, options)
+    if bounds:
+        log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
+    ctx = Context(joint, joint_inputs, options, graph_name, num_fwd_outputs, record, inductor,
+                  measured, {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)  # fmt: skip
+    with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
+        run(ctx, graph_name, STAGES)
+    assert ctx.fw is not None and ctx.bw is not None
+    return ctx.fw, ctx.bw
+
+
+def _cse(ctx: Context) -> None:
     # min-cut deduplicates the joint graph first; fxckpt runs min-cut two or more times, so
     # it deduplicates once here and every run skips that step.
-    with step(graph_name, "cse"):
-        dedup = dedup_joint(joint)
-    joint = dedup if dedup is not None else joint
-    sizes = sizes_note(joint)  # under dynamic shapes, the lengths this plan is made for
+    dedup = dedup_joint(ctx.joint)
+    ctx.deduplicated = dedup is not None
+    ctx.joint = dedup if dedup is not None else ctx.joint
+    ctx.sizes = sizes_note(ctx.joint)  # under dynamic shapes, the lengths this plan is made for
 
-    def cut(gm: fx.GraphModule, consume: bool = False) -> GraphPair:
-        return min_cut(
-            gm, joint_inputs=joint_inputs, deduplicated=dedup is not None, consume=consume, **kwargs
-        )
 
-    stride = options.segment_stride
-    width = options.segment_width if options.segment_width is not None else stride
-    with step(graph_name, "blocks"):
-        blocks = find_blocks(joint, options.blocks, block_index=options.block_index)
+def _blocks(ctx: Context) -> None:
+    opts = ctx.options
+    ctx.blocks = find_blocks(ctx.joint, opts.blocks, block_index=opts.block_index)
+
+
+def _baseline(ctx: Context) -> None:
     # With a stride, the tagged copy is made first and the rounds re-tag copies of it, so the
     # baseline min-cut may consume the joint graph instead of a copy.
-    source = clone_joint(joint) if stride > 0 else joint
-    with step(graph_name, "baseline min-cut"):
-        base_fw, base_bw = cut(joint, consume=stride > 0)
-        baseline = saved_activations(base_fw, base_bw, num_fwd_outputs, blocks)
-    device = device_of(base_fw)
-    budget = options.resolve_budget(bytes_per_storage(baseline), device=device)
-    ticket = step_budget.current()  # one graph of a step: its share of the step's budget
-    if ticket is not None and budget is not None:
-        inputs = step_budget.saved_inputs(base_fw, num_fwd_outputs, ticket.produced)
-        budget = ticket.share(bytes_per_storage(baseline), graph_name, inputs)
-    report = SegmentReport({}, 0, 0, 0)
-    if stride > 0:
-        with step(graph_name, "segment"):
-            report = tag_segments(source, blocks, stride, width)
-    requests = user_offload_requests(source)
-    segment_ms = segment_recompute_ms(source, options.cost_model, device)
-    with step(graph_name, "min-cut"):
-        # Nothing tagged: the partition is the baseline's. Without a budget no round re-tags
-        # the source, so min-cut may consume it.
-        fw, bw = (
-            (base_fw, base_bw) if report.tagged == 0 else cut(source, consume=budget is None)
-        )
-        part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
-    with step(graph_name, "assumptions"):
-        assumed = assumptions(options, device, measured)  # probes run once per device
+    ctx.source = clone_joint(ctx.joint) if ctx.stride > 0 else ctx.joint
+    base_fw, base_bw = ctx.base = ctx.cut(ctx.joint, consume=ctx.stride > 0)
+    ctx.baseline = saved_activations(base_fw, base_bw, ctx.num_fwd_outputs, ctx.blocks)
+    ctx.device = device_of(base_fw)
+
+
+def _budget(ctx: Context) -> None:
+    baseline_bytes = bytes_per_storage(ctx.baseline)
+    ctx.budget = ctx.options.resolve_budget(baseline_bytes, device=ctx.device)
+    ctx.ticket = step_budget.current()  # one graph of a step: its share of the step's budget
+    if ctx.ticket is not None and ctx.budget is not None:
+        assert ctx.base is not None
+        inputs = saved_inputs(ctx.base[0], ctx.num_fwd_outputs, ctx.ticket.produced)
+        ctx.budget = ctx.ticket.share(baseline_bytes, ctx.graph_name, inputs)
+
+
+def _segment(ctx: Context) -> None:
+    assert ctx.source is not None
+    width = ctx.options.segment_width if ctx.options.segment_width is not None else ctx.stride
+    ctx.report = tag_segments(ctx.source, ctx.blocks, ctx.stride, width)
+
+
+def _min_cut(ctx: Context) -> None:
+    assert ctx.source is not None and ctx.base is not None
+    ctx.requests = user_offload_requests(ctx.source)
+    ctx.segment_ms = segment_recompute_ms(ctx.source, ctx.options.cost_model, ctx.device)
+    # Nothing tagged: the partition is the baseline's. Without a budget no round re-tags the
+    # source, so min-cut may consume it.
+    fw, bw = ctx.base if ctx.report.tagged == 0 else ctx.cut(ctx.source, consume=ctx.budget is None)
+    ctx.part = Partition(fw, bw, saved_activations(fw, bw, ctx.num_fwd_outputs, ctx.blocks))
+
+
+def _assumptions(ctx: Context) -> None:
+    ctx.assumed = assumptions(ctx.options, ctx.device, ctx.measured)  # probes run once per device
+
+
+def _plan(ctx: Context) -> None:
+    """The planning rounds (each reports its own steps), then, over a range of sizes, the
+    rounds again under tighter budgets until the plan holds at every size."""
+    assert ctx.part is not None and ctx.source is not None and ctx.base is not None
+    options, budget, stride = ctx.options, ctx.budget, ctx.stride
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
     plan_at = functools.partial(
-        plan_rounds, Attempt(None, part, Rounds(), report, segment_ms), source=source, cut=cut,
-        blocks=blocks, options=options, device=device, num_fwd_outputs=num_fwd_outputs,
-        requests=requests, assumed=assumed, graph_name=graph_name,
+        plan_rounds, Attempt(None, ctx.part, Rounds(), ctx.report, ctx.segment_ms),
+        source=ctx.source, cut=ctx.cut, blocks=ctx.blocks, options=options, device=ctx.device,
+        num_fwd_outputs=ctx.num_fwd_outputs, requests=ctx.requests, assumed=ctx.assumed,
+        graph_name=ctx.graph_name,
         search_blocks=budget is not None and not options.is_explicit("segment_stride") and stride == 0,
     )  # fmt: skip
     attempt = plan_at(budget)
-    range_check, replans = BudgetCheck(), 0
-    if sizes and budget is not None and if_feasible(attempt):
-        check = functools.partial(_check_budget, base_fw=base_fw, baseline=baseline,
+    if ctx.sizes and budget is not None and if_feasible(attempt):
+        check = functools.partial(_check_budget, base_fw=ctx.base[0], baseline=ctx.baseline,
                                   options=options, budget=budget)  # fmt: skip
-        range_check = check(attempt)
-        if range_check.shortfall is not None:
-            attempt, range_check, budget, replans = fit_range(
-                attempt, range_check, budget, lambda b: if_feasible(plan_at(b)), check,
+        ctx.range_check = check(attempt)
+        if ctx.range_check.shortfall is not None:
+            attempt, ctx.range_check, ctx.budget, ctx.replans = fit_range(
+                attempt, ctx.range_check, budget, lambda b: if_feasible(plan_at(b)), check,
                 lambda a: a.peak,
             )  # fmt: skip
-    decision, part, rounds, report = attempt.decision, attempt.part, attempt.rounds, attempt.report
-    fw, bw = part.fw, part.bw
+    ctx.attempt = attempt
+    ctx.part, ctx.report = attempt.part, attempt.report
+    ctx.fw, ctx.bw = attempt.part.fw, attempt.part.bw
 
+
+def _settle(ctx: Context) -> None:
+    """The plan: each saved tensor's decision with its reason, the figures and the notes."""
+    assert ctx.attempt is not None and ctx.part is not None
+    options, budget, sizes, ticket = ctx.options, ctx.budget, ctx.sizes, ctx.ticket
+    decision, part, rounds, report = ctx.attempt.decision, ctx.part, ctx.attempt.rounds, ctx.report
+    stride = ctx.stride
+    width = options.segment_width if options.segment_width is not None else stride
+    blocks = ctx.blocks
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
     segments.update(dict.fromkeys(rounds.layout.blocks, -1))
     notes = _notes(blocks, stride) + rounds.notes()
@@ -229,7 +265,7 @@ def partition(
     peak = plan_timeline = None
     solution_ms = 0.0
     if decision is not None:
-        solution = settle(decision, part.saved, options, budget, graph_name, sizes=sizes,
+        solution = settle(decision, part.saved, options, budget, ctx.graph_name, sizes=sizes,
                           step=ticket is not None)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
         if ticket is not None:
@@ -241,19 +277,19 @@ def partition(
         plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
         if sizes:
             notes.append(f"planned for {sizes}")
-            if replans:
-                notes.append(f"re-planned {replans} time(s), now under {budget} bytes at the "
+            if ctx.replans:
+                notes.append(f"re-planned {ctx.replans} time(s), now under {budget} bytes at the "
                              "upper end, for the budget to hold over the range fixed by mark_dynamic")  # fmt: skip
-            if (short := range_check.shortfall) is not None:
-                infeasible(graph_name, short.allowed, short.kept, options, sizes=short.at)
-                notes.append(f"over {range_check.what} at {short.at}: {short.kept} bytes "
+            if (short := ctx.range_check.shortfall) is not None:
+                infeasible(ctx.graph_name, short.allowed, short.kept, options, sizes=short.at)
+                notes.append(f"over {ctx.range_check.what} at {short.at}: {short.kept} bytes "
                              f"against {short.allowed}")  # fmt: skip
-            notes += range_check.install()
-    seen = {a.name: a for a in baseline}
+            notes += ctx.range_check.install()
+    seen = {a.name: a for a in ctx.baseline}
     for name, a in rounds.rebuilt.items():
         seen.setdefault(name, a)
-    plan = build_plan(
-        graph_name,
+    plan = ctx.plan = build_plan(
+        ctx.graph_name,
         list(seen.values()),
         part.saved,
         decision.choices if decision is not None else {},
@@ -262,33 +298,71 @@ def partition(
         flops=rounds.flops,
         budget_bytes=budget,
         resident_peak_bytes=peak,
-        est_overhead_ms=attempt.segment_ms + rounds.recompute_ms + solution_ms,
+        est_overhead_ms=ctx.attempt.segment_ms + rounds.recompute_ms + solution_ms,
         options=options.to_dict(),
         notes=notes,
     )
-    plan.baseline_saved_bytes = bytes_per_storage(baseline)
+    plan.baseline_saved_bytes = bytes_per_storage(ctx.baseline)
     plan.step_inputs_bytes = ticket.inputs() if ticket is not None else 0
     plan.timeline = plan_timeline
-    plan.assumptions = assumed
-    with step(graph_name, "offload"):
-        placements = _placements(fw, bw, part, decision, options, inductor)
-        profile = options.runtime_settings().key()
-        fw, bw = insert_offloads(fw, bw, placements, profile)
-    if inductor:
-        with step(graph_name, "saved layouts"):
-            plan.notes += keep_input_layouts(fw, bw, num_fwd_outputs).note()
-    with step(graph_name, "note"):
-        # Under Inductor, what it computes inside fused kernels never reaches memory.
-        fused = fused_intermediates(fw) | fused_intermediates(bw) if inductor else set()
-        plan.predicted_step_peak_bytes = step_peak_bytes(fw, bw, fused)
-        payload = record(plan)
-        resident = _resident(fw, part, decision)
-        fw = insert_note(fw, resident, payload, anchor_device=device if inductor else None)
-    if inductor:
-        with step(graph_name, "pin positions"):
-            fw, bw = pin_positions(fw), pin_positions(bw)
-    _log_plan(plan)
-    return fw, bw
+    plan.assumptions = ctx.assumed
+
+
+def _offload(ctx: Context) -> None:
+    assert ctx.fw is not None and ctx.bw is not None and ctx.part is not None and ctx.attempt
+    placed = placements(ctx.fw, ctx.bw, ctx.part, ctx.attempt.decision, ctx.options, ctx.inductor)
+    profile = ctx.options.runtime_settings().key()
+    ctx.fw, ctx.bw = insert_offloads(ctx.fw, ctx.bw, placed, profile)
+
+
+def _saved_layouts(ctx: Context) -> None:
+    assert ctx.fw is not None and ctx.bw is not None and ctx.plan is not None
+    ctx.plan.notes += keep_input_layouts(ctx.fw, ctx.bw, ctx.num_fwd_outputs).note()
+
+
+def _note(ctx: Context) -> None:
+    assert ctx.fw is not None and ctx.bw is not None and ctx.plan is not None
+    assert ctx.part is not None and ctx.attempt is not None
+    # Under Inductor, what it computes inside fused kernels never reaches memory.
+    fused = fused_intermediates(ctx.fw) | fused_intermediates(ctx.bw) if ctx.inductor else set()
+    ctx.plan.predicted_step_peak_bytes = step_peak_bytes(ctx.fw, ctx.bw, fused)
+    payload = ctx.record(ctx.plan)
+    resident = resident_names(ctx.fw, ctx.part.saved, ctx.attempt.decision)
+    anchor = ctx.device if ctx.inductor else None
+    ctx.fw = insert_note(ctx.fw, resident, payload, anchor_device=anchor)
+
+
+def _pin_positions(ctx: Context) -> None:
+    assert ctx.fw is not None and ctx.bw is not None
+    ctx.fw, ctx.bw = pin_positions(ctx.fw), pin_positions(ctx.bw)
+
+
+def _log(ctx: Context) -> None:
+    assert ctx.plan is not None
+    _log_plan(ctx.plan)
+
+
+def _under_inductor(ctx: Context) -> bool:
+    return ctx.inductor
+
+
+# The partitioner, top to bottom (docs/how-it-works.md draws it).
+STAGES: tuple[Stage[Context], ...] = (
+    Stage("cse", _cse),
+    Stage("blocks", _blocks),
+    Stage("baseline min-cut", _baseline),
+    Stage("budget", _budget, report=False),
+    Stage("segment", _segment, when=lambda ctx: ctx.stride > 0),
+    Stage("min-cut", _min_cut),
+    Stage("assumptions", _assumptions),
+    Stage("plan", _plan, report=False),  # its rounds report themselves
+    Stage("settle", _settle, report=False),
+    Stage("offload", _offload),
+    Stage("saved layouts", _saved_layouts, when=_under_inductor),
+    Stage("note", _note),
+    Stage("pin positions", _pin_positions, when=_under_inductor),
+    Stage("log", _log, report=False),
+)
 
 
 def _check_budget(
@@ -304,49 +378,6 @@ def _check_budget(
         fw=attempt.part.fw, final=attempt.part.saved, baseline_fw=base_fw, baseline=baseline,
         options=options, budget=budget,
     )  # fmt: skip
-
-
-def _resident(fw: fx.GraphModule, part: Partition, decision: RoundDecision | None) -> list[str]:
-    """Kept saved tensors the note reports. RNG states the partitioner saves to replay a
-    recomputed op (``run_and_save_rng_state``) carry real tensors as meta values, which
-    Inductor's fake-tensor lowering of the note would refuse; they are a few KiB."""
-    nodes = {n.name: n for n in fw.graph.nodes}
-    return [
-        a.name
-        for a in part.saved
-        if (decision is None or decision.kind_of(a.storage) == "keep")
-        and not _is_rng_state(nodes[a.name])
-    ]
-
-
-def _is_rng_state(node: fx.Node) -> bool:
-    rng = torch.ops.higher_order.run_and_save_rng_state
-    parent = node.args[0] if node.target is operator.getitem and node.args else None
-    return node.target is rng or (isinstance(parent, fx.Node) and parent.target is rng)
-
-
-def _placements(
-    fw: fx.GraphModule, bw: fx.GraphModule, part: Partition, decision: RoundDecision | None,
-    options: Options, inductor: bool,
-) -> list[Placement | BucketPlacement]:
-    """Where each offloaded tensor's ops go: the simulator's copy positions, a disk tensor's
-    prefetch issued earlier by its read time, its offload marked for the disk tier, and the
-    host-tier members of each copy bucket merged into one bucket's ops."""
-    if decision is None:
-        return []
-    sim = decision.solution.sim
-    buckets = decision.problem.buckets
-    index = {s.key: i for i, s in enumerate(decision.storages)}
-    offloaded = [
-        (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
-        for a in part.saved
-        if decision.kind_of(a.storage) == "offload"
-    ]
-    offloaded = read_ahead(offloaded, decision.choices, decision.problem, options)
-    bucket_of = {a.name: buckets.of[index[a.storage]] for a, _, _ in offloaded}
-    ready = {a.name: buckets.ready[bucket_of[a.name]] for a, _, _ in offloaded}
-    placed = place_offloads(fw, bw, offloaded, fused=inductor, ready=ready)
-    return coalesce(fw, bw, with_tiers(placed, part.saved, decision.choices), bucket_of)
 
 
 def _notes(blocks: BlockFacts, stride: int) -> list[str]:

@@ -9,11 +9,8 @@ another budget (:func:`fxckpt.passes.shape_budget.fit_range`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,23 +21,12 @@ from fxckpt.graph.activations import SavedActivation, saved_activations
 from fxckpt.graph.blocks import BlockFacts
 from fxckpt.options import Options
 from fxckpt.passes.budget import segment_recompute_ms
+from fxckpt.passes.pipeline import timed
 from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner
 from fxckpt.passes.segment import SegmentReport, tag_recompute, tag_segments
 from fxckpt.planning.layouts import NONE, Layout
 
-# Every pipeline step logs to the partitioner's logger, under the function name ``step``:
-# ``fxckpt inspect``'s progress and benchmarks/planner_scaling.py read the records there.
-log = logging.getLogger("fxckpt.passes.partition")
-
 GraphPair = tuple[fx.GraphModule, fx.GraphModule]
-
-
-@contextlib.contextmanager
-def step(graph: str, name: str) -> Iterator[None]:
-    """Time one pipeline step and log it; every step of every graph goes through here."""
-    start = time.perf_counter()
-    yield
-    log.debug("fxckpt[%s] %-18s %.1f ms", graph, name, (time.perf_counter() - start) * 1e3)
 
 
 def clone_joint(joint: fx.GraphModule) -> fx.GraphModule:
@@ -136,27 +122,27 @@ def plan_rounds(
     num_fwd_outputs: int, requests: set[str], assumed: dict[str, dict[str, Any]],
     search_blocks: bool, graph_name: str,
 ) -> Attempt:
-    """Planning rounds (pipeline step 6) from ``start``'s partition under ``budget``; neither
+    """Planning rounds (the pipeline's plan stage) from ``start``'s partition under ``budget``; neither
     ``source`` nor ``start`` is changed, so another budget can start again from them."""
     planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
     part, report, segment_ms, rounds = start.part, start.report, start.segment_ms, Rounds()
-    with step(graph_name, "plan round 0"):
+    with timed(graph_name, "plan round 0"):
         decision = planner.decide(part, search_blocks=search_blocks)
     while decision is not None and decision.rewrites and rounds.recuts < MAX_RECUTS:
         rounds.take(decision, part)
-        with step(graph_name, "segment"):
+        with timed(graph_name, "segment"):
             tagged = clone_joint(source)
             if rounds.layout.blocks:
                 report = tag_layout(tagged, blocks, rounds.layout)
             tag_recompute(tagged, rounds.names)
             segment_ms = segment_recompute_ms(tagged, options.cost_model, device)
-        with step(graph_name, "min-cut (re-plan)"):
+        with timed(graph_name, "min-cut (re-plan)"):
             fw, bw = cut(tagged, consume=True)
             part = Partition(fw, bw, saved_activations(fw, bw, num_fwd_outputs, blocks))
         rounds.carried_out(part)
         # Where min-cut saved more than the first round predicted, a later round may add
         # blocks too (one-block segments on top of those already recomputed).
-        with step(graph_name, f"plan round {rounds.recuts}"):
+        with timed(graph_name, f"plan round {rounds.recuts}"):
             decision = planner.decide(
                 part, search_blocks=search_blocks and rounds.layout.kind != "stride",
                 allow_recompute=rounds.recuts < MAX_RECUTS, keep_first=True, stuck=rounds.stuck,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,12 @@ from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import run_after
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
+from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement
+
+if TYPE_CHECKING:
+    from fxckpt.options import Options
+    from fxckpt.passes.plan_round import Partition, RoundDecision
 
 
 def place_offloads(
@@ -112,6 +118,30 @@ def coalesce(
             wait_before=min((first_use(p) for p in members), key=bw_at.__getitem__),
         ))  # fmt: skip
     return out
+
+
+def placements(
+    fw: fx.GraphModule, bw: fx.GraphModule, part: Partition, decision: RoundDecision | None,
+    options: Options, inductor: bool,
+) -> list[Placement | BucketPlacement]:
+    """Where each offloaded tensor's ops go: the simulator's copy positions, a disk tensor's
+    prefetch issued earlier by its read time, its offload marked for the disk tier, and the
+    host-tier members of each copy bucket merged into one bucket's ops."""
+    if decision is None:
+        return []
+    sim = decision.solution.sim
+    buckets = decision.problem.buckets
+    index = {s.key: i for i, s in enumerate(decision.storages)}
+    offloaded = [
+        (a, sim.d2h_done[index[a.storage]], sim.prefetch_issue[index[a.storage]])
+        for a in part.saved
+        if decision.kind_of(a.storage) == "offload"
+    ]
+    offloaded = read_ahead(offloaded, decision.choices, decision.problem, options)
+    bucket_of = {a.name: buckets.of[index[a.storage]] for a, _, _ in offloaded}
+    ready = {a.name: buckets.ready[bucket_of[a.name]] for a, _, _ in offloaded}
+    placed = place_offloads(fw, bw, offloaded, fused=inductor, ready=ready)
+    return coalesce(fw, bw, with_tiers(placed, part.saved, decision.choices), bucket_of)
 
 
 def _fusable_runs(nodes: Sequence[fx.Node]) -> dict[int, tuple[int, int]]:

@@ -4,7 +4,7 @@ Under dynamic shapes one compiled graph serves every length of a dimension, but 
 made with numbers. The rule:
 
 1. **A range with an end: plan for its longest length.** A size symbol with an upper bound
-   (``torch._dynamo.mark_dynamic(t, dim, max=N)``, or a range dynamo derived) is planned at
+   (dynamo's ``mark_dynamic(t, dim, max=N)``, or a range dynamo derived) is planned at
    that bound. Saved bytes grow with the length, so a byte budget that fits there fits every
    shorter length; where none fits, the budget is infeasible at that length (``BudgetError``
    at compile time, naming it). dynamo refuses a guard that narrows a range the user marked
@@ -32,9 +32,8 @@ Copy timings are those of the planning sizes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -53,7 +52,6 @@ from fxckpt.graph.memory import Problem, residency
 from fxckpt.graph.sizes import (
     concrete,
     describe,
-    planning_at,
     planning_values,
     size_symbols,
 )
@@ -88,21 +86,6 @@ def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options) -> dict[sy
         if upper is not None and upper > int(hints.get(s, upper)):
             out[s] = upper
     return out
-
-
-def plan_for_longest(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run the partitioner ``fn(joint, joint_inputs, options, ...)`` with sizes read at the
-    upper bounds :func:`upper_bounds_to_plan_for` finds."""
-
-    @functools.wraps(fn)
-    def wrapper(joint: fx.GraphModule, joint_inputs: Any, options: Options, **kwargs: Any) -> Any:
-        bounds = upper_bounds_to_plan_for(joint, options)
-        if bounds:
-            log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
-        with planning_at(bounds):
-            return fn(joint, joint_inputs, options, **kwargs)
-
-    return wrapper
 
 
 def _placeholder_vals(gm: fx.GraphModule) -> list[Any]:

@@ -2,7 +2,7 @@
 budget, and the re-plans that make it hold over all of it.
 
 dynamo refuses a guard that narrows such a range, so one graph serves every size in it. The
-plan is made at the range's upper end (:func:`fxckpt.passes.shape_budget.plan_for_longest`);
+plan is made at the range's upper end (:func:`fxckpt.passes.shape_budget.upper_bounds_to_plan_for`);
 what it keeps resident, less what the budget allows, is a polynomial in the sizes, and that
 need not be largest at an end of the range.
 """

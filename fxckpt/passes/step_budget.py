@@ -285,7 +285,7 @@ class Ticket:
 
     def share(self, baseline: int, graph_name: str, inputs: int = 0) -> int:
         """The budget of this graph's plan. Its baseline min-cut saves ``baseline`` bytes of
-        activations and ``inputs`` bytes of earlier graphs' outputs (:func:`saved_inputs`):
+        activations and ``inputs`` bytes of earlier graphs' outputs (:func:`fxckpt.graph.activations.saved_inputs`):
         those count in the step and in the baseline, and come off the plan's budget."""
         step, entry = self.step, self.step.graphs[self.key]
         entry.baseline, entry.inputs = baseline + inputs, inputs
@@ -429,24 +429,3 @@ def graph_key() -> object:
     compile_id = compat.current_compile_id()
     return object() if compile_id is None else compile_id.frame_id
 
-
-def saved_inputs(fw: Any, num_fwd_outputs: int, produced: Sequence[tuple[int, tuple[int, ...]]]
-                 ) -> int:
-    """Bytes the forward ``fw`` saves of the inputs at ``produced`` (index, shape): outputs of
-    earlier graphs. The forward's placeholders are the graph's inputs in order; an input
-    whose shape does not match (dynamo dropped or added one) is left out."""
-    from fxckpt.graph.activations import saved_nodes, storage_bytes, storage_key, tensor_val
-
-    if not produced:
-        return 0
-    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    wanted: dict[int, int] = {}  # storage -> bytes; a saved view of an input counts too
-    for i, shape in produced:
-        val = tensor_val(placeholders[i]) if i < len(placeholders) else None
-        if val is not None and tuple(val.shape) == shape and (k := storage_key(val)) is not None:
-            wanted[k] = storage_bytes(val)
-    seen = {
-        k for node in saved_nodes(fw, num_fwd_outputs)
-        if (val := tensor_val(node)) is not None and (k := storage_key(val)) in wanted
-    }  # fmt: skip
-    return sum(wanted[k] for k in seen)

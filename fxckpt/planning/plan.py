@@ -174,12 +174,6 @@ class Plan:
         """Bytes of the offloaded tensors that wait in files (``offload → disk``)."""
         return _bytes_per_storage(self.activations, "offload", tier="disk")
 
-    def decision_of(self, name: str) -> Decision:
-        for r in self.activations:
-            if r.name == name:
-                return r.decision
-        raise KeyError(name)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

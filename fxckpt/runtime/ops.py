@@ -44,7 +44,6 @@ from fxckpt.runtime.transfer import (
     token,
 )
 
-_span = span_of
 
 @torch.library.custom_op(
     "fxckpt::offload",

@@ -18,6 +18,7 @@ from fxckpt import _files
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import disk, disk_dir, engine, ops, pool, profiles, stats
 from fxckpt.runtime.disk import DiskTierWarning
+from fxckpt.runtime.handles import span_of
 from fxckpt.runtime.pool import HostMemoryWarning
 
 OPS = torch.ops.fxckpt
@@ -89,7 +90,7 @@ def test_a_round_trip_through_a_file_is_exact_and_the_file_goes_with_the_handle(
     again = restore(h, src)  # a second backward (retain_graph=True) reads the file again
     assert torch.equal(again, want)
     snap = stats.snapshot()
-    span_bytes = ops._span(src) * src.element_size()
+    span_bytes = span_of(src) * src.element_size()
     assert snap["disk_bytes"] == span_bytes and snap["disk_files"] == 1
     assert snap["disk_write_seconds"] > 0 and snap["disk_read_seconds"] > 0
     del h
