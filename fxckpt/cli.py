@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = USAGE_ERROR if isinstance(e, (OptionsError, TargetError)) else FAILURE
         err.write(f"fxckpt inspect: error: {e}\n")
         return code
-    except SystemExit as e:  # --help, --version
+    except SystemExit as e:  # --help, or a usage error
         return e.code if isinstance(e.code, int) else 0
     except BrokenPipeError:  # `fxckpt inspect ... | head`: the reader left; so do we
         _silence_stdout()

@@ -440,3 +440,14 @@ def test_offload_dir_is_made_absolute() -> None:
     o = Options(offload_dir="rel/dir")
     assert o.offload_dir is not None and Path(o.offload_dir).is_absolute()
     assert o.offload_dir.endswith("rel/dir")
+
+
+def test_every_option_is_documented() -> None:
+    import dataclasses
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "options.md").read_text()
+    from fxckpt import Options
+
+    names = [f.name for f in dataclasses.fields(Options)]
+    assert names and [n for n in names if f"`{n}`" not in text] == []

@@ -27,7 +27,7 @@ Methods:
 - ``"milp"`` uses scipy.optimize.milp (HiGHS, ~10 s limit). Variables are binary recompute and
   offload flags per candidate (keep = neither). There is one memory row per run of positions
   with the same covering set whose all-keep residency exceeds the budget. Bytes are scaled to
-  MiB once tensors are that big (raw byte coefficients made CBC report
+  MiB once tensors are that big (raw byte coefficients let the solver report
   "optimal" answers that broke constraints). A linear model can't see FIFO queueing, so each
   offload gets a per-candidate timing computed independently of the other choices. First it
   is timed alone: exact when copies don't queue behind each other. If that answer's simulated
