@@ -76,17 +76,37 @@ def is_view_like(node: torch.fx.Node) -> bool:
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    """True for ops whose result depends on the RNG state: never recompute these."""
+    """Whether recomputing ``node`` would draw new random numbers: never recompute these.
+
+    An op torch tags ``nondeterministic_seeded`` is, except one called with ``dropout_p=0``:
+    torch tags every SDPA kernel so, dropout or not, and one that drops nothing draws nothing.
+    On meta tensors (offline plans, ``fxckpt inspect``) every seeded op is: replaying one
+    needs ``run_and_save_rng_state``, which has no meta kernel, so torch too keeps it saved.
+    The RNG's own ops (``philox_rand``, ``run_and_save_rng_state``, ...) are, by name.
+    """
     if node.op != "call_function":
         return False
     import torch
 
     target = _aten_target(node)
     if target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+        if _on_meta_device(node):
+            return True
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.name == "dropout_p":
+                p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+                return not (isinstance(p, (int, float)) and p == 0)
         return True
     name = str(getattr(node.target, "__name__", node.target)).lower()
-    # rngprims.philox_rand, higher_order.run_and_save_rng_state / run_with_rng_state, ...
     return "rng" in name or "philox" in name
+
+
+def _on_meta_device(node: torch.fx.Node) -> bool:
+    import torch
+
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    return isinstance(first, torch.Tensor) and first.device.type == "meta"
 
 
 def _is_compute(node: torch.fx.Node) -> bool:

@@ -6,13 +6,12 @@ import logging
 import operator
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import CheckpointPolicy
 from fxckpt.graph import meta
 from fxckpt.graph.blocks import BlockFacts
+from fxckpt.graph.costs import is_random
 
 log = logging.getLogger(__name__)
 
@@ -28,40 +27,11 @@ def segment_of(block: int, stride: int, width: int) -> int | None:
     return block // stride if block % stride < width else None
 
 
-def _is_random(node: fx.Node) -> bool:
-    """Whether recomputing the node would draw new random numbers.
-
-    torch tags every SDPA kernel ``nondeterministic_seeded``, dropout or not; one called with
-    ``dropout_p=0`` draws nothing, so it may be recomputed like any other op.
-    """
-    target = node.target
-    if not (
-        isinstance(target, compat.OpOverload)
-        and torch.Tag.nondeterministic_seeded in target.tags
-    ):
-        return False
-    if _on_meta(node):
-        # Replaying a recomputed seeded op needs run_and_save_rng_state, which has no meta
-        # kernel: offline plans (fxckpt inspect) keep such ops saved, as torch would.
-        return True
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "dropout_p":
-            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
-            return not (isinstance(p, (int, float)) and p == 0)
-    return True
-
-
-def _on_meta(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    first = val[0] if isinstance(val, (tuple, list)) and val else val
-    return isinstance(first, torch.Tensor) and first.device.type == "meta"
-
-
 def random_output(node: fx.Node) -> bool:
     """A random op, or a getitem of one (``native_dropout`` returns output and mask)."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _is_random(node.args[0])
-    return _is_random(node)
+        return is_random(node.args[0])
+    return is_random(node)
 
 
 EXTRA_SEGMENT_BASE = 100_000  # ids of one-block segments the budget adds
@@ -112,7 +82,7 @@ def tag_segments(
         if meta.RECOMPUTE in node.meta:
             kept_user += 1
             continue
-        if _is_random(node):
+        if is_random(node):
             # A multi-output random op cannot be saved itself; its getitems are saved.
             kept_random += 1
             continue

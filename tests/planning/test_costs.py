@@ -192,3 +192,32 @@ def test_copy_overhead_is_a_per_engine_figure_and_zero_for_unit_costs(monkeypatc
     assert costs.copy_overhead_ms(torch.device("cuda", 1), "flops") == costs.COPY_OVERHEAD_MS["cuda"]
     monkeypatch.setitem(costs.COPY_OVERHEAD_MS, "cpu", 7.0)  # overridable, e.g. from a probe
     assert costs.copy_overhead_ms(torch.device("cpu"), "flops") == 7.0
+
+
+def _on(val: object, device: str) -> object:
+    if isinstance(val, (tuple, list)):
+        return type(val)(_on(v, device) for v in val)
+    return torch.empty(val.shape, device=device) if isinstance(val, torch.Tensor) else val
+
+
+@pytest.mark.parametrize(("p", "device", "random"), [
+    (0.0, "cpu", False),  # torch tags SDPA seeded, but without dropout it draws nothing
+    (0.1, "cpu", True),
+    (0.0, "meta", True),  # offline: a seeded op cannot be replayed on meta, so it stays saved
+])  # fmt: skip
+def test_one_rule_for_random_ops_sdpa_by_its_dropout(p: float, device: str, random: bool) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxckpt.passes.segment import random_output
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, p)[0]
+
+    # Traced on meta for the graph alone (the CPU kernel refuses dropout), then given the
+    # device's values, as a partitioner sees them.
+    gm = make_fx(attend)(torch.randn(1, 2, 4, 8, device="meta"))
+    for n in gm.graph.nodes:
+        n.meta["val"] = _on(n.meta.get("val"), device)
+    (sdpa,) = [n for n in gm.graph.nodes if "attention" in str(n.target)]
+    assert is_random(sdpa) is random
+    assert random_output(next(iter(sdpa.users))) is random  # the partitioner's rule is the same one
