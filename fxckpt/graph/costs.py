@@ -331,7 +331,8 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates
 
 
 def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
-    """Milliseconds to read a node's tensor inputs and write its outputs once."""
+    """Milliseconds to read a node's tensor inputs and write its outputs once, at the sizes
+    the plan is made for (:func:`fxckpt.graph.sizes.concrete`, as :func:`node_flops`)."""
     import torch
 
     total = 0
@@ -342,6 +343,6 @@ def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
             if isinstance(v, torch.Tensor):
                 numel = 1
                 for s in v.shape:
-                    numel *= s if isinstance(s, int) else 4096
+                    numel *= concrete(s)
                 total += numel * v.element_size()
     return total / rates.bytes_per_ms

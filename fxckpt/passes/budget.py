@@ -90,7 +90,9 @@ def build_problem(
     T = F + len(bw_step_ms)
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     saved = {a.name for s in storages for a in s.members}
-    cols: dict[str, list] = {k: [] for k in ("b", "p", "lf", "fb", "lb", "r", "o", "f")}
+    # One column per Candidates field, one row per storage.
+    cols: dict[str, list] = {k: [] for k in ("bytes", "produced", "last_fw_use", "first_bw_use",
+                                             "last_bw_use", "recompute_ms", "can_offload", "forced")}
     flops: dict[str, float] = {}
     for s in storages:
         bw_first = [a.first_bw_use for a in s.members if a.first_bw_use >= 0]
@@ -103,14 +105,14 @@ def build_problem(
         )
         for a in s.members:
             flops[a.name] = r_flops / len(s.members)
-        cols["b"].append(s.bytes)
-        cols["p"].append(min(a.produced for a in s.members))
-        cols["lf"].append(max(a.last_fw_use for a in s.members))
-        cols["fb"].append(first)
-        cols["lb"].append(max(F + (max(bw_last) if bw_last else 0), first))
-        cols["r"].append(r_ms)
-        cols["o"].append(all(a.name in offloadable for a in s.members))
-        cols["f"].append(forced.get(s.key))
+        cols["bytes"].append(s.bytes)
+        cols["produced"].append(min(a.produced for a in s.members))
+        cols["last_fw_use"].append(max(a.last_fw_use for a in s.members))
+        cols["first_bw_use"].append(first)
+        cols["last_bw_use"].append(max(F + (max(bw_last) if bw_last else 0), first))
+        cols["recompute_ms"].append(r_ms)
+        cols["can_offload"].append(all(a.name in offloadable for a in s.members))
+        cols["forced"].append(forced.get(s.key))
     timeline = Timeline(
         step_ms=[*fw_step_ms, *bw_step_ms],
         num_forward=F,
@@ -119,14 +121,14 @@ def build_problem(
         link_overhead_ms=link_overhead_ms,
     )
     candidates = Candidates(
-        bytes=cols["b"],
-        produced=cols["p"],
-        last_fw_use=cols["lf"],
-        first_bw_use=cols["fb"],
-        last_bw_use=cols["lb"],
-        recompute_ms=cols["r"],
-        can_offload=cols["o"],
-        forced=cols["f"] if any(f is not None for f in cols["f"]) else None,
+        bytes=cols["bytes"],
+        produced=cols["produced"],
+        last_fw_use=cols["last_fw_use"],
+        first_bw_use=cols["first_bw_use"],
+        last_bw_use=cols["last_bw_use"],
+        recompute_ms=cols["recompute_ms"],
+        can_offload=cols["can_offload"],
+        forced=cols["forced"] if any(f is not None for f in cols["forced"]) else None,
     )
     assert T == timeline.num_positions
     return Problem(timeline, candidates), flops
