@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
 
-Choice = Literal["keep", "recompute", "offload"]
 Prefetch = Literal["auto", "jit"]
 CHOICES: tuple[str, ...] = ("keep", "recompute", "offload")
 # Price of an offload beyond its exposed time, so that an offload that costs nothing is

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
-Tier = Literal["host", "disk"]
+OffloadTier = Literal["host", "disk"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Offload:
 
     reason: str
     kind: DecisionKind = field(default="offload", init=False)
-    tier: Tier = "host"
+    tier: OffloadTier = "host"
 
 
 Decision = Keep | Recompute | Offload

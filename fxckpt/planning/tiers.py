@@ -1,7 +1,7 @@
 """Where each offloaded tensor lives: host memory, the disk tier, or, when the host budget is
 short and no disk can take it, nowhere (recompute it, or keep it on the device).
 
-Plain numbers in, one :class:`Tier` per offloaded storage out, each with its reason. Every
+Plain numbers in, one :class:`TierChoice` per offloaded storage out, each with its reason. Every
 offloaded tensor is in host memory at the boundary between forward and backward (it leaves
 the device during the forward and comes back during the backward), so the host needs the sum
 of their buffer sizes at once; the disk tier needs staging buffers instead (``staging_slots``
@@ -57,7 +57,10 @@ class DiskRates:
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierChoice:
+    """Where one offloaded storage goes: host or disk, or, where neither has room, kept or
+    recomputed instead."""
+
     kind: TierKind
     reason: str = ""  # empty for "host": the offload's own reason stands
 
@@ -81,7 +84,7 @@ def assign(
     allow_recompute: bool,
     staging_slots: int = 2,
     fits: Callable[[list[int], int], bool] | None = None,
-) -> list[Tier]:
+) -> list[TierChoice]:
     """One tier per item (in production order) so that host memory fits ``host_budget``.
 
     The host then holds ``sum(host_bytes)`` of the host-tier items plus staging for the disk
@@ -93,7 +96,7 @@ def assign(
     sum (the pinned pool passes its slab layout, whose tails no class may fill).
     """
     n = len(items)
-    tiers = [Tier("host")] * n
+    tiers = [TierChoice("host")] * n
     host = sum(it.host_bytes for it in items)
     if host_budget is None:
         return tiers
@@ -124,7 +127,7 @@ def assign(
             exposed = disk.exposed_ms(it)
             cheaper = allow_recompute and it.recompute_ms < exposed
             if it.staged_bytes <= budget and not cheaper:
-                tiers[i] = Tier("disk")
+                tiers[i] = TierChoice("disk")
                 largest = max(largest, it.staged_bytes)
                 continue
             why = (f"recomputing ({it.recompute_ms:.3f} ms) costs less than the disk time it "
@@ -143,7 +146,7 @@ def assign(
         assert disk is not None
         exposed = disk.exposed_ms(it)
         tail = f"{exposed:.3f} ms exposed" if exposed > 1e-9 else "fully hidden"
-        tiers[i] = Tier("disk", (
+        tiers[i] = TierChoice("disk", (
             f"offload → disk: {held}; the disk ({_rate(disk.write_bytes_per_ms)} write, "
             f"{_rate(disk.read_bytes_per_ms)} read) writes it behind {it.write_window_ms:.3f} ms "
             f"of forward and reads it behind {it.read_window_ms:.3f} ms of backward ({tail})"
@@ -151,14 +154,14 @@ def assign(
     for i, why in moved:
         it = items[i]
         if allow_recompute and math.isfinite(it.recompute_ms):
-            tiers[i] = Tier("recompute", f"recompute: {held}, and {why}; recomputing costs "
+            tiers[i] = TierChoice("recompute", f"recompute: {held}, and {why}; recomputing costs "
                                          f"{it.recompute_ms:.3f} ms")  # fmt: skip
         else:
-            tiers[i] = Tier("keep", f"keep: {held}, {why}, and it cannot be recomputed here")
+            tiers[i] = TierChoice("keep", f"keep: {held}, {why}, and it cannot be recomputed here")
     return tiers
 
 
-def staging_bytes(items: Sequence[Item], tiers: Sequence[Tier], host_budget: int | None,
+def staging_bytes(items: Sequence[Item], tiers: Sequence[TierChoice], host_budget: int | None,
                   staging_slots: int = 2) -> int:
     """The staging :func:`assign` left room for: ``staging_slots`` buffers of the largest
     disk item, one where the budget holds fewer."""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxckpt.planning.tiers import DiskRates, Item, Tier, assign, read_ahead, staging_bytes
+from fxckpt.planning.tiers import DiskRates, Item, TierChoice, assign, read_ahead, staging_bytes
 
 KiB = 1024
 
@@ -105,7 +105,7 @@ def test_staging_takes_the_slots_the_budget_holds_or_one(budget: int | None, slo
     # As the runtime keeps them: its staging slabs grow to ``slots`` buffers wherever the
     # budget holds that many, whatever the host tier then needs.
     items = [item(8 * KiB), item(6 * KiB), item(8 * KiB)]
-    tiers = [Tier("disk"), Tier("disk"), Tier("host")]
+    tiers = [TierChoice("disk"), TierChoice("disk"), TierChoice("host")]
     assert staging_bytes(items, tiers, budget, slots) == staged
 
 
