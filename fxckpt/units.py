@@ -115,3 +115,13 @@ def parse_duration_ms(value: Any, option: str) -> float:
     if not math.isfinite(ms) or ms < 0:
         raise OptionsError(option, value, accepted, "must be finite and >= 0")
     return ms
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: powers of 1024, one decimal, as budgets are written."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -22,6 +22,7 @@ from fxckpt.options import Options
 from fxckpt.passes.offload import bound_symbols, restorable
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
+from fxckpt.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,6 @@ def copy_buckets(
     return out
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def reasons(
     problem: Problem,
     solution: Solution,
@@ -191,14 +185,14 @@ def reasons(
             tail = f"{exposed:.3f} ms exposed" if exposed > 1e-9 else "fully hidden"
             out[s.key] = Choice(
                 "offload",
-                f"offload: {_size(s.bytes)}, copies {2 * copy:.3f} ms against "
+                f"offload: {format_bytes(s.bytes)}, copies {2 * copy:.3f} ms against "
                 f"{solution.hide_ms[i]:.3f} ms of compute ({tail})",
             )
         elif kind == "recompute":
             f = sum(flops.get(a.name, 0.0) for a in s.members)
             out[s.key] = Choice(
                 "recompute",
-                f"recompute: {_size(s.bytes)} for {f / 1e6:.2f} MFLOP "
+                f"recompute: {format_bytes(s.bytes)} for {f / 1e6:.2f} MFLOP "
                 f"({c.recompute_ms[i]:.3f} ms), cheaper than offloading it",
             )
         else:
@@ -209,7 +203,7 @@ def reasons(
             elif not solution.feasible:
                 why = "keep: evicting it would not lower the resident peak"
             else:
-                why = f"keep: fits the budget ({_size(solution.peak)} of {_size(budget)})"
+                why = f"keep: fits the budget ({format_bytes(solution.peak)} of {format_bytes(budget)})"
             out[s.key] = Choice("keep", why)
     return out
 

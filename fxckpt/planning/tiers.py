@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from fxckpt.units import format_bytes
+
 TierKind = Literal["host", "disk", "recompute", "keep"]
 
 
@@ -63,13 +65,6 @@ class TierChoice:
 
     kind: TierKind
     reason: str = ""  # empty for "host": the offload's own reason stands
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _rate(bytes_per_ms: float) -> str:
@@ -132,14 +127,14 @@ def assign(
                 continue
             why = (f"recomputing ({it.recompute_ms:.3f} ms) costs less than the disk time it "
                    f"cannot hide ({exposed:.3f} ms)" if cheaper else
-                   f"its staging buffer ({_size(it.staged_bytes)}) alone exceeds it")  # fmt: skip
+                   f"its staging buffer ({format_bytes(it.staged_bytes)}) alone exceeds it")  # fmt: skip
         else:
             why = "there is no disk tier (offload_dir)"
         moved.append((i, why))
     slots = (staging_slots if staging_slots * largest <= budget else 1) if largest else 0
     staging = slots * largest
-    held = (f"host_budget {_size(budget)} holds {_size(host)} of host-tier offloads"
-            + (f" and {_size(staging)} of disk staging" if staging else ""))  # fmt: skip
+    held = (f"host_budget {format_bytes(budget)} holds {format_bytes(host)} of host-tier offloads"
+            + (f" and {format_bytes(staging)} of disk staging" if staging else ""))  # fmt: skip
     for i, it in enumerate(items):
         if tiers[i].kind != "disk":
             continue

@@ -11,21 +11,12 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from fxckpt.planning.plan import Plan, PlannedActivation, describe_assumptions
+from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
 SWEEP_COLUMNS = ("budget", "budget bytes", "resident peak", "vs baseline", "offloaded",
                  "recomputed", "est. overhead", "fits")  # fmt: skip
 _STYLE = {"keep": "green", "offload": "cyan", "recompute": "yellow"}
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; powers of 1024, as the budget strings use."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_flops(n: float) -> str:
