@@ -41,9 +41,6 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
 from torch.fx.node import has_side_effect  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
-# How a user marks a dimension dynamic with an upper bound, as messages name it.
-MARK_DYNAMIC = "torch._dynamo.mark_dynamic"
-
 # Offload policies users can return from a selective-checkpoint policy. torch defines them
 # but no torch partitioner reads them (they act as a plain save); fxckpt gives them meaning.
 OFFLOAD_POLICIES = frozenset(
@@ -321,7 +318,6 @@ __all__ = [
     "lazy_graph_modules",
     "make_boxed_func",
     "make_graph_module",
-    "MARK_DYNAMIC",
     "min_cut_keywords",
     "min_cut_rematerialization_partition",
     "min_cut_without_cse",

@@ -225,14 +225,12 @@ def note_forward(
         # Sizes the plan was not made for (a dynamic shape the compile-time guard could not
         # cover) keep more than the budget: say so with the figures instead of running over
         # in silence.
-        from fxckpt._torch_compat import MARK_DYNAMIC
-
         warnings.warn(
             f"fxckpt[{facts.name}]: this forward kept {kept_bytes} bytes of saved tensors on "
             f"the device, over memory_budget={facts.budget_bytes} bytes (largest kept tensor "
             f"of shape {largest_shape}). The plan was made for smaller sizes; mark the dynamic "
-            f"dimension with {MARK_DYNAMIC}(t, dim, max=...) so that fxckpt plans "
-            "for the longest length. (Warned once per graph.)",
+            "dimension with dynamo's mark_dynamic(t, dim, max=...) so that fxckpt plans for "
+            "the longest length (docs/limitations.md). (Warned once per graph.)",
             BudgetOverrunWarning,
             stacklevel=3,
         )
