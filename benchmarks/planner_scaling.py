@@ -5,7 +5,7 @@
 1. Real graphs: the GPT-style decoder with 6 to 48 layers is planned offline (``fxckpt.inspect``,
    meta tensors, ``memory_budget=0.3``). The partitioner's own step timings (its
    stages' events, ``fxckpt.passes.pipeline.listening``) give the time of each step; the solver's input, a
-   :class:`fxckpt.graph.memory.Problem`, is captured on its way into the solver.
+   :class:`fxckpt.planning.memory.Problem`, is captured on its way into the solver.
 2. Greedy against MILP: every captured problem, and small synthetic ones, solved with
    ``fxckpt.planning.solve.solve(problem, budget, method="greedy" | "milp")`` at budgets that
    go from the lowest reachable peak to the all-keep peak. The gap is the greedy's simulated added ms
@@ -16,7 +16,7 @@
    fxckpt adds.
 4. The greedy on a synthetic 10k-candidate, 20k-position problem.
 
-The solver's input is captured by wrapping ``fxckpt.passes.plan_round.choose`` for the length
+The solver's input is captured by wrapping ``fxckpt.planning.plan_round.choose`` for the length
 of a run; nothing in fxckpt is changed.
 """
 
@@ -61,7 +61,7 @@ class Capture:
 @contextlib.contextmanager
 def capturing() -> Iterator[Capture]:
     """Record the partitioner's step timings and the solver's problems while inside."""
-    import fxckpt.passes.plan_round as plan_round
+    import fxckpt.planning.plan_round as plan_round
     from fxckpt.passes.pipeline import StageDone, listening
 
     cap = Capture()
@@ -131,7 +131,7 @@ def _sum_steps(cap: Capture) -> dict[str, float]:
 
 
 def keep_peak(problem: Any) -> int:
-    from fxckpt.graph.memory import simulate
+    from fxckpt.planning.memory import simulate
 
     return simulate(problem, ["keep"] * len(problem)).peak
 
@@ -142,7 +142,7 @@ def budget_at(problem: Any, fraction: float) -> int:
     The lowest reachable peak: every candidate at its smallest-residency choice (recompute,
     else offload, else keep), as the solver's infeasible answer starts from.
     """
-    from fxckpt.graph.memory import simulate
+    from fxckpt.planning.memory import simulate
 
     c = problem.candidates
     low = simulate(problem, [c.lowest(i) for i in range(len(problem))]).peak
@@ -180,7 +180,7 @@ def compare(problem: Any, fractions: Sequence[float], label: str) -> list[dict[s
 
 def synthetic(n: int, T: int, seed: int = 0, bandwidth: float = 2.5e6) -> Any:
     """A transformer-shaped step: activations saved in order and used back in reverse."""
-    from fxckpt.graph.memory import Candidates, Problem, Timeline
+    from fxckpt.planning.memory import Candidates, Problem, Timeline
 
     rng, F = random.Random(seed), T // 2
     cols: list[list[Any]] = [[] for _ in range(7)]

@@ -76,7 +76,7 @@ class Recipe:
     mode: str | None
     device: str  # "cpu", "cuda", ...: where the graph's tensors live
     # Under a step budget, the ticket the graph was first compiled under: a re-plan keeps
-    # the share of the step's budget the graph holds (passes.step_budget.keeping_share).
+    # the share of the step's budget the graph holds (planning.step_budget.keeping_share).
     ticket: Any = None
 
     @property
@@ -93,7 +93,7 @@ class Recipe:
         if got is None:
             log.debug("fxckpt: a graph with tensor-subclass inputs is measured, not re-planned")
             return None
-        from fxckpt.passes import step_budget
+        from fxckpt.planning import step_budget
 
         return cls(gm, got[0], got[1], options, mode, graph_device(got[1]).type,
                    step_budget.current())
@@ -102,7 +102,7 @@ class Recipe:
         """The graph compiled anew with ``measured`` figures, and how many shape guards that
         compile added."""
         from fxckpt.backend import FxckptPartitioner, compile_partitioned
-        from fxckpt.passes import step_budget
+        from fxckpt.planning import step_budget
 
         before = compat.shape_guard_count(self.fake_mode)
         with compat.recompiling(self.fake_mode), step_budget.keeping_share(self.ticket, name):

@@ -70,7 +70,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
         self.measured = tuple(sorted((measured or {}).items()))
         self.name = name
         # Under a step budget a graph's plan also depends on what the graphs before it hold
-        # (passes.step_budget): the token says so, and so keys the compile cache.
+        # (planning.step_budget): the token says so, and so keys the compile cache.
         self.step_token = step_token
 
     def __call__(
@@ -80,7 +80,7 @@ class FxckptPartitioner(compat.CustomPartitionerFn):
 
         compiler = kwargs.pop("compiler", None)  # Inductor passes "inductor"; aot_autograd nothing
         num_fwd_outputs = kwargs.pop("num_fwd_outputs")
-        from fxckpt.passes import step_budget
+        from fxckpt.planning import step_budget
 
         ticket = step_budget.current()
         # Each min-cut run gets what it takes of the rest; fxckpt reads none of the others
@@ -186,12 +186,12 @@ def compile_graph(
     ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
     Otherwise the graph's copies are measured at run time, and under ``adapt="auto"`` a graph
     whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`). Under
-    ``budget_scope="step"`` the graph is one of its step's (:mod:`fxckpt.passes.step_budget`),
+    ``budget_scope="step"`` the graph is one of its step's (:mod:`fxckpt.planning.step_budget`),
     which gives it its share of ``memory_budget``.
     """
     if not offline:
         configure_runtime(options)
-    from fxckpt.passes import step_budget
+    from fxckpt.planning import step_budget
 
     if step_budget.applies(options):
         step = step_budget.step_for(options)
@@ -211,7 +211,7 @@ def _compile_measured(
     offline: bool,
 ) -> Any:
     """One compile of the graph (under its step's ticket, if any), wrapped to be measured."""
-    from fxckpt.passes import step_budget
+    from fxckpt.planning import step_budget
 
     ticket = step_budget.current()
     partitioner = FxckptPartitioner(
@@ -234,7 +234,7 @@ def compile_partitioned(
     offline: bool = False,
 ) -> Any:
     """:func:`compile_graph` with a given partitioner, without the run-time measurement."""
-    from fxckpt.passes import step_budget
+    from fxckpt.planning import step_budget
 
     options = partitioner.options
     ticket = step_budget.current()

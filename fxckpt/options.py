@@ -167,7 +167,7 @@ class Options:
     # Re-plan a graph whose measured copies contradict its plan's assumptions (fxckpt.adapt).
     adapt: str = "auto"
     # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
-    # gets a share, passes.step_budget); "graph": every graph on its own, as before.
+    # gets a share, planning.step_budget); "graph": every graph on its own, as before.
     budget_scope: str = "step"
     blocks: str | None = None
     block_index: int | None = None

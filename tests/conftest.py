@@ -35,3 +35,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# FXCKPT_PLAN_DUMP=DIR appends every plan the suite makes to DIR/<worker>.jsonl, one JSON line
+# per plan with the test that made it: `python tests/plan_dump_diff.py A B` compares two such
+# directories, to show that a change left every plan as it was.
+if _plan_dump := os.environ.get("FXCKPT_PLAN_DUMP"):
+    import json
+
+    import fxckpt.passes.partition as _partition
+
+    _emit = _partition.trace_plan_artifact
+
+    def _dump(name, payload):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.makedirs(_plan_dump, exist_ok=True)
+        with open(os.path.join(_plan_dump, f"{worker}.jsonl"), "a") as f:
+            f.write(json.dumps({"test": test, "plan": json.loads(payload)}) + "\n")
+        _emit(name, payload)
+
+    _partition.trace_plan_artifact = _dump

@@ -126,7 +126,7 @@ def test_stride_fixes_interiors_and_budget_decides_segment_inputs() -> None:
 def test_a_round_that_falls_short_recomputes_more_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first round's block search is made to under-predict (it plans for three times the
     # budget, as if min-cut had freed less than it said); a later round must add blocks.
-    import fxckpt.passes.plan_round as plan_round
+    import fxckpt.planning.plan_round as plan_round
 
     real, searched = plan_round.choose, []
 

@@ -24,7 +24,7 @@ from models import GPT, Block, gpt_inputs, hf_model
 import fxckpt
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
-from fxckpt.passes import step_budget as sb
+from fxckpt.planning import step_budget as sb
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:transformers"),

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.fx as fx
+
 from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import flop_formula
 from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
@@ -346,3 +348,10 @@ def _traffic_ms(node: torch.fx.Node, rates: Rates) -> float:
                     numel *= concrete(s)
                 total += numel * v.element_size()
     return total / rates.bytes_per_ms
+
+
+def random_output(node: fx.Node) -> bool:
+    """A random op, or a getitem of one (``native_dropout`` returns output and mask)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return is_random(node.args[0])
+    return is_random(node)

@@ -1,6 +1,6 @@
 """Whole-graph liveness: the bytes of every live tensor at each node of a graph.
 
-Unlike :mod:`fxckpt.graph.memory`, which counts only the saved tensors a plan decides about,
+Unlike :mod:`fxckpt.planning.memory`, which counts only the saved tensors a plan decides about,
 this counts everything a graph holds, from the nodes' ``meta["val"]``.
 """
 

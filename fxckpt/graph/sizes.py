@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import sympy
 import torch
+import torch.fx as fx
+from torch.utils._sympy.functions import FloorDiv
 
 from fxckpt._torch_compat import size_hint, symbol_hints, symbol_source
 
@@ -68,3 +71,43 @@ def size_symbols(values: Iterable[Any]) -> tuple[Any, set[sympy.Symbol]]:
 def describe(shape_env: Any, values: Mapping[sympy.Symbol, int]) -> str:
     """``L['idx'].size()[1]=512, ...``: each symbol by the input dimension it stands for."""
     return ", ".join(f"{symbol_source(shape_env, s)}={v}" for s, v in sorted(values.items(), key=str))
+
+
+# Symbolic sizes and strides reach ``wait`` as arithmetic over the SymInts the backward
+# receives: min-cut binds every free symbol of a saved tensor to a backward input
+# (``_extract_fwd_bwd_modules``), so these few operators rebuild any size or stride.
+SYM_OPS: dict[type, Any] = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
+
+
+def sym_exprs(val: torch.Tensor) -> list[sympy.Expr]:
+    return [
+        d.node.expr for d in (*val.shape, *val.stride()) if isinstance(d, torch.SymInt)
+    ]
+
+
+def _expressible(expr: sympy.Expr, bound: set[sympy.Expr]) -> bool:
+    if expr.is_Integer or expr in bound:
+        return True
+    if isinstance(expr, sympy.Pow):
+        exp = expr.exp
+        return bool(exp.is_Integer and exp > 0 and _expressible(expr.base, bound))
+    if type(expr) in SYM_OPS:
+        return all(_expressible(a, bound) for a in expr.args)
+    return False
+
+
+def bound_symbols(saved: Iterable[Any]) -> set[sympy.Expr]:
+    """The symbolic expressions the backward receives as SymInt inputs, from the forward's
+    saved outputs."""
+    out = set()
+    for n in saved:
+        val = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if isinstance(val, torch.SymInt):
+            out.add(val.node.expr)
+    return out
+
+
+def restorable(val: torch.Tensor, bound: set[sympy.Expr]) -> bool:
+    """Whether ``wait`` can be handed ``val``'s sizes and strides inside the backward: each
+    is an int, or sums, products, powers and floor divisions of SymInts in ``bound``."""
+    return all(_expressible(e, bound) for e in sym_exprs(val))

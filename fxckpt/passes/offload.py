@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.functions import FloorDiv
 
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation, storage_key
+from fxckpt.graph.sizes import SYM_OPS
 from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
 
 if TYPE_CHECKING:
-    from fxckpt.passes.plan_round import RoundDecision
+    from fxckpt.planning.plan_round import RoundDecision
 
 OFFLOAD = torch.ops.fxckpt.offload.default
 OFFLOAD_DONE = torch.ops.fxckpt.offload_done.default
@@ -97,46 +97,6 @@ def _output(gm: fx.GraphModule) -> fx.Node:
     return gm.graph.find_nodes(op="output")[0]
 
 
-# Symbolic sizes and strides reach ``wait`` as arithmetic over the SymInts the backward
-# receives: min-cut binds every free symbol of a saved tensor to a backward input
-# (``_extract_fwd_bwd_modules``), so these few operators rebuild any size or stride.
-_SYM_OPS: dict[type, Any] = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
-
-
-def _sym_exprs(val: torch.Tensor) -> list[sympy.Expr]:
-    return [
-        d.node.expr for d in (*val.shape, *val.stride()) if isinstance(d, torch.SymInt)
-    ]
-
-
-def _expressible(expr: sympy.Expr, bound: set[sympy.Expr]) -> bool:
-    if expr.is_Integer or expr in bound:
-        return True
-    if isinstance(expr, sympy.Pow):
-        exp = expr.exp
-        return bool(exp.is_Integer and exp > 0 and _expressible(expr.base, bound))
-    if type(expr) in _SYM_OPS:
-        return all(_expressible(a, bound) for a in expr.args)
-    return False
-
-
-def bound_symbols(saved: Iterable[Any]) -> set[sympy.Expr]:
-    """The symbolic expressions the backward receives as SymInt inputs, from the forward's
-    saved outputs."""
-    out = set()
-    for n in saved:
-        val = n.meta.get("val") if isinstance(n, fx.Node) else None
-        if isinstance(val, torch.SymInt):
-            out.add(val.node.expr)
-    return out
-
-
-def restorable(val: torch.Tensor, bound: set[sympy.Expr]) -> bool:
-    """Whether ``wait`` can be handed ``val``'s sizes and strides inside the backward: each
-    is an int, or sums, products, powers and floor divisions of SymInts in ``bound``."""
-    return all(_expressible(e, bound) for e in _sym_exprs(val))
-
-
 def _emit(graph: fx.Graph, expr: sympy.Expr, table: dict[sympy.Expr, fx.Node]) -> Any:
     """An int, or a node of ``graph`` that computes ``expr`` from the SymInt inputs."""
     if expr.is_Integer:
@@ -146,7 +106,7 @@ def _emit(graph: fx.Graph, expr: sympy.Expr, table: dict[sympy.Expr, fx.Node]) -
     if isinstance(expr, sympy.Pow):
         op, args = operator.mul, [expr.base] * int(expr.exp)
     else:
-        op, args = _SYM_OPS[type(expr)], list(expr.args)
+        op, args = SYM_OPS[type(expr)], list(expr.args)
     parts = [_emit(graph, a, table) for a in args]
 
     def combine(a: Any, b: Any) -> Any:

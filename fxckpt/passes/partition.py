@@ -8,10 +8,10 @@
     min-cut           torch's min-cut on the tagged graph; graph.activations: the saved
                       tensors, bytes per storage, lifetimes
     assumptions       the cost model's figures (bandwidth, compute rates, overheads)
-    plan              passes.rounds: passes.plan_round decides (keep / recompute / offload
+    plan              passes.rounds: planning.plan_round decides (keep / recompute / offload
                       per storage, the blocks and single ops to recompute), the decision is
                       carried out (re-tag, min-cut again) and the next round decides; over a
-                      range fixed by mark_dynamic, passes.size_range plans again under a
+                      range fixed by mark_dynamic, planning.size_range plans again under a
                       tighter budget until the plan holds at every size
     settle            the Plan: every saved tensor's decision and reason, figures, notes
     offload           passes.offload: offload / prefetch / wait ops where passes.schedule
@@ -54,12 +54,9 @@ from fxckpt.graph.costs import assumptions
 from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
-from fxckpt.passes import step_budget
-from fxckpt.passes.budget import segment_recompute_ms, user_offload_requests
 from fxckpt.passes.cutting import gc_frozen, min_cut
 from fxckpt.passes.offload import insert_note, insert_offloads, resident_names
 from fxckpt.passes.pipeline import Stage, run
-from fxckpt.passes.plan_round import Partition, infeasible, settle, timeline
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -77,9 +74,12 @@ from fxckpt.passes.shape_budget import (
     sizes_note,
     upper_bounds_to_plan_for,
 )
-from fxckpt.passes.size_range import fit_range
+from fxckpt.planning import step_budget
 from fxckpt.planning.plan import Plan, describe_assumptions
+from fxckpt.planning.plan_round import Partition, infeasible, settle, timeline
 from fxckpt.planning.planner import build_plan
+from fxckpt.planning.problem import segment_recompute_ms, user_offload_requests
+from fxckpt.planning.size_range import fit_range
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Planning rounds under one budget: decide, carry the decision out, decide again.
 
-A round (:mod:`fxckpt.passes.plan_round`) decides one partition. Carrying a decision out
+A round (:mod:`fxckpt.planning.plan_round`) decides one partition. Carrying a decision out
 re-tags a copy of the joint graph (the blocks and single ops to rebuild) and runs min-cut
 again; the next round decides what that partition saved. :func:`plan_rounds` runs them from
 one starting partition without changing it, so the partitioner can run them again under
@@ -20,11 +20,11 @@ from fxckpt._torch_compat import make_graph_module
 from fxckpt.graph.activations import SavedActivation, saved_activations
 from fxckpt.graph.blocks import BlockFacts
 from fxckpt.options import Options
-from fxckpt.passes.budget import segment_recompute_ms
 from fxckpt.passes.pipeline import timed
-from fxckpt.passes.plan_round import Partition, RoundDecision, RoundPlanner
 from fxckpt.passes.segment import SegmentReport, tag_recompute, tag_segments
 from fxckpt.planning.layouts import NONE, Layout
+from fxckpt.planning.plan_round import Partition, RoundDecision, RoundPlanner
+from fxckpt.planning.problem import segment_recompute_ms
 
 GraphPair = tuple[fx.GraphModule, fx.GraphModule]
 

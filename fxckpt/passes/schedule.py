@@ -1,6 +1,6 @@
 """Where the offload ops go, taken from the memory simulator's schedule.
 
-The simulator (:func:`fxckpt.graph.memory.simulate`) models the D2H and H2D copies as FIFO
+The simulator (:func:`fxckpt.planning.memory.simulate`) models the D2H and H2D copies as FIFO
 channels over the estimated compute of each node, and says at which forward position each
 D2H copy is done and at which backward position each prefetch must be issued to land in time
 (``prefetch="auto"``) or at first use (``"jit"``). This pass turns those positions into node
@@ -9,6 +9,7 @@ names, so the graph runs the schedule the plan's figures describe.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -20,12 +21,14 @@ from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import run_after
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.passes.host import read_ahead, with_tiers
 from fxckpt.passes.offload import BucketPlacement, Placement
+from fxckpt.planning.host import disk_storages, read_ahead
+from fxckpt.planning.planner import Choice
+from fxckpt.runtime.disk import DISK
 
 if TYPE_CHECKING:
     from fxckpt.options import Options
-    from fxckpt.passes.plan_round import Partition, RoundDecision
+    from fxckpt.planning.plan_round import Partition, RoundDecision
 
 
 def place_offloads(
@@ -87,7 +90,7 @@ def coalesce(
 
     The bucket's offload goes where its last member's would, its join where its last one
     would, its prefetch and its wait where its first ones would (the simulator placed them
-    all so: :func:`fxckpt.graph.memory.bucket_schedule`). A member sent to the disk tier, or
+    all so: :func:`fxckpt.planning.memory.bucket_schedule`). A member sent to the disk tier, or
     left alone in its bucket, keeps a placement of its own at the bucket's positions.
     """
     fw_at = {n.name: i for i, n in enumerate(fw.graph.nodes)}
@@ -389,3 +392,11 @@ def _set_after(node: fx.Node, after: list[fx.Node]) -> None:
     args[names.index("after")] = after
     node.args = tuple(args)
     node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}
+
+
+def with_tiers(placements: Sequence[Placement], final: Sequence[SavedActivation],
+               choices: dict[str, Choice]) -> list[Placement]:
+    """The placements, those of disk tensors marked for the disk tier."""
+    disk = disk_storages(choices)
+    names = {a.name for a in final if a.storage in disk}
+    return [dataclasses.replace(p, tier=DISK) if p.name in names else p for p in placements]

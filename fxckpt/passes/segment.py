@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -11,7 +10,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import CheckpointPolicy
 from fxckpt.graph import meta
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import is_random
+from fxckpt.graph.costs import is_random, random_output
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +24,6 @@ def segment_of(block: int, stride: int, width: int) -> int | None:
     if stride <= 0 or width <= 0:
         return None
     return block // stride if block % stride < width else None
-
-
-def random_output(node: fx.Node) -> bool:
-    """A random op, or a getitem of one (``native_dropout`` returns output and mask)."""
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return is_random(node.args[0])
-    return is_random(node)
 
 
 EXTRA_SEGMENT_BASE = 100_000  # ids of one-block segments the budget adds

@@ -48,7 +48,6 @@ from fxckpt._torch_compat import (
     symbol_upper_bound,
 )
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.memory import Problem, residency
 from fxckpt.graph.sizes import (
     concrete,
     describe,
@@ -56,7 +55,8 @@ from fxckpt.graph.sizes import (
     size_symbols,
 )
 from fxckpt.options import Options
-from fxckpt.passes.size_range import Shortfall, worst_in_range
+from fxckpt.planning.memory import Problem, residency
+from fxckpt.planning.size_range import Shortfall, worst_in_range
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import math
 import time
 from itertools import pairwise, product
 
-from fxckpt.graph.memory import Problem, isolated_offload, offload_schedule, residency, simulate
+from fxckpt.planning.memory import Problem, isolated_offload, offload_schedule, residency, simulate
 from fxckpt.planning.solve import base_choices
 
 

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fxckpt.graph.memory import Problem, isolated_offload, simulate
+from fxckpt.planning.memory import Problem, isolated_offload, simulate
 from fxckpt.planning.solve import Solution, greedy_curve, make_solution
 
 

@@ -1,8 +1,8 @@
 """Budget solver: keep, recompute or offload each candidate so the resident peak fits.
 
-Solvers take a :class:`~fxckpt.graph.memory.Problem` (plain numbers) and return a
+Solvers take a :class:`~fxckpt.planning.memory.Problem` (plain numbers) and return a
 :class:`Solution` whose ``peak``, ``cost_ms`` and per-candidate figures all come from
-:func:`~fxckpt.graph.memory.simulate`, the single source of truth.
+:func:`~fxckpt.planning.memory.simulate`, the single source of truth.
 
 Methods:
 
@@ -16,7 +16,7 @@ Methods:
   sequence, so they are nested. Its peak is *not* monotone, though: an offload queues on the
   copy channels and can hold another offloaded tensor resident longer. So binary search over
   the prefix length would not be valid. Every point's exact peak and cost are therefore
-  tracked (:class:`~fxckpt.graph.incremental.IncrementalSim`). The Pareto chain is kept: points
+  tracked (:class:`~fxckpt.planning.incremental.IncrementalSim`). The Pareto chain is kept: points
   whose peak falls strictly and whose cost never falls, with none beaten on both counts by an
   earlier one. A budget gets the first chain point that fits. As the budget shrinks, that point
   moves later, so the peak never rises, the cost never falls and the evicted sets stay nested
@@ -48,8 +48,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxckpt.graph.incremental import IncrementalSim
-from fxckpt.graph.memory import (
+from fxckpt.planning.incremental import IncrementalSim
+from fxckpt.planning.memory import (
     Problem,
     SimResult,
     isolated_offload,

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxckpt.graph.incremental import IncrementalSim
-from fxckpt.graph.memory import (
+from fxckpt.planning.incremental import IncrementalSim
+from fxckpt.planning.memory import (
     OFFLOAD_PRICE_MS_PER_BYTE,
     Candidates,
     Problem,

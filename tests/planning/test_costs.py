@@ -208,7 +208,7 @@ def _on(val: object, device: str) -> object:
 def test_one_rule_for_random_ops_sdpa_by_its_dropout(p: float, device: str, random: bool) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxckpt.passes.segment import random_output
+    from fxckpt.graph.costs import random_output
 
     def attend(q: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, p)[0]

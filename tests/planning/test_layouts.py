@@ -9,7 +9,6 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.planning.layouts import (
     NONE,
     Blocks,
@@ -20,6 +19,7 @@ from fxckpt.planning.layouts import (
     layouts,
     search,
 )
+from fxckpt.planning.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.planning.solve import greedy_curve
 from planning.test_solve import random_problem
 

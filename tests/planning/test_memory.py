@@ -10,7 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxckpt.graph.liveness import live_bytes_timeline, peak_live_bytes
-from fxckpt.graph.memory import (
+from fxckpt.planning.memory import (
     OFFLOAD_PRICE_MS_PER_BYTE,
     Candidates,
     Problem,

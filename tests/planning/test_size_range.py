@@ -7,7 +7,7 @@ import dataclasses
 
 import sympy
 
-from fxckpt.passes.size_range import Shortfall, fit_range, worst_in_range
+from fxckpt.planning.size_range import Shortfall, fit_range, worst_in_range
 
 s, b = sympy.symbols("s b", integer=True, positive=True)
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxckpt.graph.memory import Candidates, Problem, Timeline, simulate
+from fxckpt.planning.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.planning.solve import greedy_curve, solve
 
 STEP_MS = [0.0, 0.5, 1.0, 2.0, 3.0]

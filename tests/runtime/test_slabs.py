@@ -146,7 +146,7 @@ def test_what_the_planner_puts_in_host_memory_fits_the_slabs_under_the_host_budg
     budget = int(share * sum(it.host_bytes for it in items))
     from fxckpt.runtime.slabs import carving_fits, whole_pages
 
-    def fits(classes, staging):  # as passes/host.py asks for a pinned pool
+    def fits(classes, staging):  # as planning/host.py asks for a pinned pool
         return carving_fits(classes, budget, whole_pages(staging))
 
     placed = tiers.assign(items, budget, tiers.DiskRates(1e6, 1e6), allow_recompute=False,

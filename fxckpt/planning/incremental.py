@@ -1,4 +1,4 @@
-"""The greedy's exact twin of :func:`~fxckpt.graph.memory.simulate`: residency and cost of a
+"""The greedy's exact twin of :func:`~fxckpt.planning.memory.simulate`: residency and cost of a
 configuration that changes one candidate at a time, in logarithmic time per change.
 """
 
@@ -8,7 +8,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
-from fxckpt.graph.memory import (
+from fxckpt.planning.memory import (
     OFFLOAD_PRICE_MS_PER_BYTE,
     Problem,
     bucket_schedule,

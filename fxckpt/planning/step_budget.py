@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 from fxckpt import _torch_compat as compat
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
-from fxckpt.passes.plan_round import hints
+from fxckpt.planning.plan_round import hints
 
 log = logging.getLogger(__name__)
 

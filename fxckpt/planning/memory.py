@@ -42,7 +42,7 @@ over every candidate of the bucket, offloaded or not, so a bucket's timing never
 which of its members the plan offloads; the runtime places the bucket's ops at exactly these
 positions. The overhead is paid once per bucket with an offloaded member.
 
-:mod:`fxckpt.graph.incremental` is the solver's incremental twin of :func:`simulate`;
+:mod:`fxckpt.planning.incremental` is the solver's incremental twin of :func:`simulate`;
 :mod:`fxckpt.graph.liveness` counts every tensor of a graph, not only the saved ones.
 """
 

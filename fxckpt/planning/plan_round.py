@@ -1,7 +1,7 @@
 """One planning round: the facts of one partition in, a decision out.
 
 The partitioner alternates deciding and rewriting. A round reads the saved tensors of one
-partition, builds the solver's problem (:mod:`fxckpt.passes.budget`), searches block layouts
+partition, builds the solver's problem (:mod:`fxckpt.planning.problem`), searches block layouts
 when the user left ``segment_stride`` unset (:mod:`fxckpt.planning.layouts`), and returns a
 :class:`RoundDecision`: keep / offload / recompute per storage with a reason each, the blocks
 to recompute, and the single ops to rebuild. It never changes a graph; carrying a decision out
@@ -24,10 +24,14 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.memory import Problem, simulate
+from fxckpt.graph.costs import random_output
 from fxckpt.options import Options
-from fxckpt.passes.budget import (
-    Storage,
+from fxckpt.planning.host import HostReport, place_tiers, warn_host_short
+from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, search
+from fxckpt.planning.memory import Problem, simulate
+from fxckpt.planning.planner import Choice
+from fxckpt.planning.problem import (
+    StorageGroup,
     build_problem,
     copy_buckets,
     forced_offloads,
@@ -36,10 +40,6 @@ from fxckpt.passes.budget import (
     reasons,
     step_costs,
 )
-from fxckpt.passes.host import HostReport, place_tiers, warn_host_short
-from fxckpt.passes.segment import random_output
-from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, search
-from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
 
 
@@ -56,7 +56,7 @@ class Partition:
 class RoundDecision:
     """What one round decided about one partition."""
 
-    storages: list[Storage]
+    storages: list[StorageGroup]
     problem: Problem  # as the chosen layout leaves it
     solution: Solution
     choices: dict[str, Choice]  # storage key -> choice and reason
@@ -213,7 +213,7 @@ def _host_tiers(
 
 
 def _decision(
-    pick: Pick, storages: list[Storage], flops: dict[str, float], forced_why: dict[str, str],
+    pick: Pick, storages: list[StorageGroup], flops: dict[str, float], forced_why: dict[str, str],
     budget: int | None,
 ) -> RoundDecision:
     choices = reasons(pick.problem, pick.solution, storages, flops, forced_why, budget)
@@ -233,7 +233,7 @@ def _decision(
 
 
 def block_facts(
-    blocks: BlockFacts, fw: fx.GraphModule, storages: list[Storage], fw_ms: list[float]
+    blocks: BlockFacts, fw: fx.GraphModule, storages: list[StorageGroup], fw_ms: list[float]
 ) -> Blocks | None:
     """What recomputing each block would free and cost, from one partition's forward.
 
@@ -274,7 +274,7 @@ def settle(
     """What follows the last round: an unmet budget raises (or warns), naming
     ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
     and one warning says what the host budget moved. ``step``: the budget is the graph's
-    share of a step's, and the step (:mod:`fxckpt.passes.step_budget`) judges a miss."""
+    share of a step's, and the step (:mod:`fxckpt.planning.step_budget`) judges a miss."""
     solution = decision.solution
     if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,

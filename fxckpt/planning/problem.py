@@ -17,16 +17,16 @@ from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
-from fxckpt.graph.memory import Candidates, Problem, Timeline
+from fxckpt.graph.sizes import bound_symbols, restorable
 from fxckpt.options import Options
-from fxckpt.passes.offload import bound_symbols, restorable
+from fxckpt.planning.memory import Candidates, Problem, Timeline
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
 from fxckpt.units import format_bytes
 
 
 @dataclass(frozen=True)
-class Storage:
+class StorageGroup:
     """The saved tensors on one storage, as one candidate."""
 
     key: str
@@ -37,15 +37,15 @@ class Storage:
         return self.members[0].bytes
 
 
-def group_by_storage(acts: Sequence[SavedActivation]) -> list[Storage]:
+def group_by_storage(acts: Sequence[SavedActivation]) -> list[StorageGroup]:
     groups: dict[str, list[SavedActivation]] = {}
     for a in acts:
         groups.setdefault(a.storage, []).append(a)
-    return [Storage(k, tuple(v)) for k, v in groups.items()]
+    return [StorageGroup(k, tuple(v)) for k, v in groups.items()]
 
 
 def _recompute_cost(
-    s: Storage, fw_nodes: dict[str, fx.Node], saved: set[str], cost_model: str, device: torch.device
+    s: StorageGroup, fw_nodes: dict[str, fx.Node], saved: set[str], cost_model: str, device: torch.device
 ) -> tuple[float, float]:
     """(ms, FLOPs) to rebuild a storage in the backward, or inf when it can't be.
 
@@ -66,7 +66,7 @@ def _recompute_cost(
 
 
 def build_problem(
-    storages: Sequence[Storage],
+    storages: Sequence[StorageGroup],
     fw: fx.GraphModule,
     fw_step_ms: Sequence[float],
     bw_step_ms: Sequence[float],
@@ -136,7 +136,7 @@ def build_problem(
 
 
 def copy_buckets(
-    storages: Sequence[Storage], fw: fx.GraphModule, block_of: Callable[[fx.Node], int | None],
+    storages: Sequence[StorageGroup], fw: fx.GraphModule, block_of: Callable[[fx.Node], int | None],
     can_offload: Sequence[bool],
 ) -> list[int]:
     """A bucket id per storage: offloadable storages of one dtype produced in one block whose
@@ -166,7 +166,7 @@ def copy_buckets(
 def reasons(
     problem: Problem,
     solution: Solution,
-    storages: Sequence[Storage],
+    storages: Sequence[StorageGroup],
     flops: dict[str, float],
     forced_why: dict[str, str],
     budget: int | None,
@@ -209,7 +209,7 @@ def reasons(
 
 
 def forced_offloads(
-    storages: list[Storage], offloadable: Set[str], requested: Set[str], options: Options
+    storages: list[StorageGroup], offloadable: Set[str], requested: Set[str], options: Options
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Storages that ``offload="all"`` or a user's checkpoint policy asks to offload, and why."""
     forced: dict[str, str] = {}

@@ -4,13 +4,12 @@
 :mod:`fxckpt.planning.tiers`, asks where each one lives, and writes the answer into the
 choices: an offload's tier (``host`` or ``disk``), or a recompute / keep with its reason when
 the host is short and no disk takes it. :func:`read_ahead` issues a disk tensor's prefetch
-earlier by the disk's read time, and :func:`with_tiers` tells the offload ops which tensors
-go to disk.
+earlier by the disk's read time; :func:`disk_storages` names the storages the plan sends to
+disk (``passes.schedule.with_tiers`` marks their offload ops).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,13 +18,11 @@ import torch
 
 from fxckpt import _files
 from fxckpt.graph.activations import SavedActivation, concrete
-from fxckpt.graph.memory import Problem
 from fxckpt.options import Options
-from fxckpt.passes.budget import Storage
-from fxckpt.passes.offload import Placement
 from fxckpt.planning import tiers
+from fxckpt.planning.memory import Problem
 from fxckpt.planning.planner import Choice
-from fxckpt.runtime.disk import DISK
+from fxckpt.planning.problem import StorageGroup
 from fxckpt.runtime.pool import size_class
 from fxckpt.runtime.slabs import carving_fits, whole_pages
 from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
@@ -75,7 +72,7 @@ def copied_bytes(a: SavedActivation) -> int:
     return min(a.bytes, numel * dtype.itemsize)
 
 
-def _item(problem: Problem, i: int, s: Storage, prefetch: str) -> tiers.Item:
+def _item(problem: Problem, i: int, s: StorageGroup, prefetch: str) -> tiers.Item:
     c, S, F = problem.candidates, problem.prefix_ms(), problem.timeline.num_forward
     spans = [copied_bytes(a) for a in s.members]
     return tiers.Item(
@@ -90,7 +87,7 @@ def _item(problem: Problem, i: int, s: Storage, prefetch: str) -> tiers.Item:
 
 def place_tiers(
     problem: Problem,
-    storages: Sequence[Storage],
+    storages: Sequence[StorageGroup],
     choices: dict[str, Choice],
     options: Options,
     *,
@@ -150,7 +147,7 @@ def warn_host_short(graph_name: str, report: HostReport | None) -> None:
     )
 
 
-def _disk_storages(choices: dict[str, Choice]) -> set[str]:
+def disk_storages(choices: dict[str, Choice]) -> set[str]:
     return {k for k, ch in choices.items() if ch.kind == "offload" and ch.tier == "disk"}
 
 
@@ -162,7 +159,7 @@ def read_ahead(
 ) -> list[tuple[SavedActivation, int, int]]:
     """``(tensor, d2h_done, prefetch_issue)`` with each disk tensor's prefetch issued earlier
     by its read time (``prefetch="auto"`` only: ``"jit"`` asks for use-time prefetch)."""
-    disk = _disk_storages(choices)
+    disk = disk_storages(choices)
     rates = disk_rates(options) if disk else None
     if rates is None or problem is None or options.prefetch != "auto":
         return list(offloaded)
@@ -172,12 +169,3 @@ def read_ahead(
          else issue)
         for a, done, issue in offloaded
     ]  # fmt: skip
-
-
-def with_tiers(placements: Sequence[Placement], final: Sequence[SavedActivation],
-               choices: dict[str, Choice]) -> list[Placement]:
-    """The placements, those of disk tensors marked for the disk tier."""
-    disk = _disk_storages(choices)
-    names = {a.name for a in final if a.storage in disk}
-    return [dataclasses.replace(p, tier=DISK) if p.name in names else p for p in placements]
-
