@@ -1,9 +1,8 @@
 """Every torch internal fxckpt touches, in one place: this file, and nowhere else.
 
-fxckpt supports torch 2.11 up to (not including) 2.16. The names below moved before 2.11 and
-may move again; when they do, this is the only file to change. Callers import it as
-``compat`` and name everything ``compat.<name>``. In order: partitioning and graph hygiene,
-Inductor, size symbols and fake tensors, the CPU allocator's events.
+fxckpt supports torch 2.11 up to (not including) 2.16; when a name below moves, this is the
+only file to change. Callers import it as ``compat`` and name everything ``compat.<name>``.
+What each name relies on, why, and what to check when torch changes it: docs/torch-internals.md.
 """
 
 from __future__ import annotations
@@ -26,65 +25,47 @@ if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
     )
 
 # Partitioning.
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402, F401
 
-# aot_eager's no-op compiler: the graph takes its inputs as one list and lets go of each at
-# its last use (_BoxedCodeGen). make_boxed_func(gm.forward) alone unpacks the list into the
-# frame, which then holds every saved tensor until the whole backward has run.
-from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
-from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
+# aot_eager's no-op compiler, whose graph lets go of each input at its last use.
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402, F401
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402, F401
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
-from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402
+from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402, F401
 
 # Graph hygiene.
-from torch.fx.node import has_side_effect  # noqa: E402
+from torch.fx.node import has_side_effect  # noqa: E402, F401
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
-# Offload policies users can return from a selective-checkpoint policy. torch defines them
-# but no torch partitioner reads them (they act as a plain save); fxckpt gives them meaning.
+# Offload policies a selective-checkpoint policy may return: no torch partitioner reads them.
 OFFLOAD_POLICIES = frozenset(
     {CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD}
 )
 
 
 def flop_formula(target: Any) -> Any:
-    """``FlopCounterMode``'s formula for an aten op, or None when it has none.
-
-    The formulas take the op's (fake) arguments and ``out_val=`` its output and read only
-    their shapes, so calling one directly counts FLOPs without running the op.
-    """
+    """``FlopCounterMode``'s formula for an aten op (it reads only shapes), or None."""
     from torch.utils.flop_counter import flop_registry
-
     packet = getattr(target, "_overloadpacket", None)
     return None if packet is None else flop_registry.get(packet)
 
 
 def lazy_graph_modules() -> Any:
-    """A context in which new graph modules generate their Python code on first call, not
-    when built, as under Inductor. min-cut builds about ten modules per run; fxckpt discards
-    most of them (the baseline partition, superseded plans) and never runs them."""
+    """A context in which new graph modules generate their code on first call, not when built."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
-
     return _use_lazy_graph_module(True)
 
 
 def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """``GraphModule(root, graph)``, lazy inside :func:`lazy_graph_modules`."""
     from torch.fx._lazy_graph_module import _make_graph_module
-
     return _make_graph_module(root, graph)
 
 
 def dedup_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
-    """``joint`` after the common-subexpression pass min-cut starts with, as a new module,
-    or None when the user turned that pass off (``torch._functorch.config.cse = False``).
-
-    The pass reaches its fixed point in one run, so partitioning its result with the pass off
-    (:func:`min_cut_without_cse`) gives the partition min-cut gives ``joint``.
-    """
+    """``joint`` after min-cut's CSE pass, or None where ``torch._functorch.config.cse`` is off."""
     from torch._functorch import config
     from torch._functorch.compile_utils import fx_graph_cse
-
     if not config.cse:
         return None
     return make_graph_module(joint, fx_graph_cse(joint.graph))
@@ -95,20 +76,12 @@ def min_cut_without_cse(
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """min-cut on a joint graph :func:`dedup_joint` already deduplicated."""
     from torch._functorch import config
-
     with config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def min_cut_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The keyword arguments a partitioner received that min-cut takes, and the names of the
-    others.
-
-    A partitioner is called with whatever the calling torch passes: 2.11 to 2.15 pass
-    ``num_fwd_outputs``, ``static_lifetime_input_indices`` and (Inductor) ``compiler``; newer
-    ones may add metadata such as ``fw_metadata`` (pytorch#174823). min-cut's signature names
-    what it takes; one that takes ``**kwargs`` takes everything.
-    """
+    """The keywords a partitioner received that min-cut takes, and the names of the others."""
     params = inspect.signature(min_cut_rematerialization_partition).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(kwargs), []
@@ -117,16 +90,8 @@ def min_cut_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 
 
 def outside_fake_mode() -> Any:
-    """A context in which tensors are real: every active torch dispatch mode is set aside.
-
-    A partitioner runs inside AOTAutograd's ``FakeTensorMode``, where ``torch.empty`` returns
-    a FakeTensor and a copy takes no time: a bandwidth probe there measured a rate ~56x the
-    real one on the CPU, and on CUDA ``copy_`` into page-locked memory raised. The modes come
-    back when the block ends (``torch.utils._python_dispatch._disable_current_modes``, in
-    2.11 and 2.13).
-    """
+    """A context in which tensors are real: every active torch dispatch mode is set aside."""
     from torch.utils._python_dispatch import _disable_current_modes
-
     return _disable_current_modes()
 
 
@@ -134,31 +99,16 @@ OpOverload = torch._ops.OpOverload  # an aten/custom op at one overload: FX call
 
 
 def is_fake_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` has no real storage: a FakeTensor (or a functional wrapper of one), as a
-    compiled submodule receives when dynamo's DDP optimizer runs it to propagate shapes
-    (``torch._subclasses.fake_tensor.is_fake``, in 2.11 to 2.15)."""
+    """Whether ``t`` has no real storage: a FakeTensor, or a functional wrapper of one."""
     from torch._subclasses.fake_tensor import is_fake
-
     return bool(is_fake(t))
 
 
 def register_backend_name(name: str, target: str) -> None:
-    """Make ``torch.compile(backend=name)`` resolve to ``target`` (``"module:attribute"``)
-    where no installed entry point has claimed the name yet: running from a source tree.
-
-    torch reads the ``torch_dynamo_backends`` entry points lazily, on the first lookup of a
-    name it does not know (``_dynamo/backends/registry.py``, the same in 2.11 and 2.13), and
-    registers a backend when it first loads it. Calling ``register_backend`` here instead
-    would break installed copies: torch's lookup loads the entry point, which imports this
-    package, which would register the name first, and torch's own ``register_backend`` call
-    then asserts on the duplicate. So the name is entered the way an installed entry point
-    is, as an unloaded ``EntryPoint``, and only where the registry holds nothing for it: an
-    installed entry point that torch discovers later replaces it, and both load ``target``.
-    """
+    """Make ``torch.compile(backend=name)`` load ``target`` ("module:attr") if nothing claims it."""
     from importlib.metadata import EntryPoint
 
     from torch._dynamo.backends import registry
-
     if name in registry._COMPILER_FNS or name in registry._BACKENDS:
         return
     registry._BACKENDS[name] = EntryPoint(name=name, value=target, group="torch_dynamo_backends")
@@ -167,7 +117,6 @@ def register_backend_name(name: str, target: str) -> None:
 def register_logging() -> None:
     """Make ``TORCH_LOGS="+fxckpt"`` and the ``fxckpt_plan`` trace artifact known to torch."""
     from torch._logging import _internal
-
     registry = _internal.log_registry
     if not registry.is_log("fxckpt"):
         _internal.register_log("fxckpt", "fxckpt")
@@ -180,7 +129,6 @@ def register_logging() -> None:
 def trace_plan_artifact(name: str, payload: str) -> None:
     """Emit a plan as a structured-trace artifact, so tlparse shows it beside the graphs."""
     from torch._logging import trace_structured
-
     trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"fxckpt_plan_{name}", "encoding": "json"},
@@ -189,8 +137,7 @@ def trace_plan_artifact(name: str, payload: str) -> None:
 
 
 def saved_tensors_hooks_free() -> bool:
-    """Whether a ``saved_tensors_hooks`` pack hook pushed now would see every saved tensor and
-    hide none from the caller's own: hooks are enabled, and none are active."""
+    """Whether a pack hook pushed now sees every saved tensor and hides no hook of the caller's."""
     autograd = torch._C._autograd
     return bool(
         autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
@@ -199,11 +146,8 @@ def saved_tensors_hooks_free() -> bool:
 
 
 def compile_call_owner() -> Any:
-    """The object dynamo holds for the ``torch.compile`` call compiling now (its wrapped
-    backend), or ``None`` outside dynamo: a step budget's state lives with it. Every frame,
-    graph break and recompile of one call sees the same object (2.11 to 2.15)."""
+    """The object dynamo holds for the ``torch.compile`` call compiling now, or None."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
-
     try:
         tx = InstructionTranslator.current_tx()
     except (AttributeError, IndexError, AssertionError, RuntimeError):
@@ -215,7 +159,6 @@ def compile_call_owner() -> Any:
 def current_compile_id() -> Any:
     """Dynamo's id of the graph compiling now (``frame_id``, ``frame_compile_id``) or None."""
     from torch._guards import CompileContext
-
     return CompileContext.current_compile_id()
 
 
@@ -227,21 +170,12 @@ def reset_dynamo() -> None:
 def backend_failure() -> type[Exception]:
     """The exception dynamo wraps a backend's error in (its ``inner_exception`` is the error)."""
     from torch._dynamo.exc import BackendCompilerFailed
-
     return BackendCompilerFailed
 
 
 @contextlib.contextmanager
 def composite_ops_decompose_on_meta() -> Iterator[None]:
-    """Let CompositeImplicitAutograd ops decompose on meta tensors, as they do on real ones.
-
-    torch._meta_registrations registers a Python Meta kernel for some composite ops (nll_loss,
-    var_mean, ...). Under the Python dispatcher, which AOTAutograd enables while tracing the
-    joint graph, that kernel makes ``torch._ops.resolve_key`` see a backend kernel for Meta,
-    so AutogradMeta resolves to the autograd fallback instead of the decomposition: the op gets
-    no gradient and the backward graph comes out empty. Eager meta tensors never consult these
-    kernels, so hiding them while planning changes nothing else.
-    """
+    """Let CompositeImplicitAutograd ops decompose on meta tensors, as on real ones."""
     removed: list[tuple[Any, Any]] = []
     meta_key = torch._C.DispatchKey.Meta
     for name in dir(torch.ops.aten):  # the packets loaded so far; the registrations load them
@@ -264,41 +198,23 @@ def composite_ops_decompose_on_meta() -> Iterator[None]:
 
 
 # Inductor: its entry point, lowering, cache settings and layout rules.
-
-
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
     """Inductor's entry point, imported late because it pulls in all of Inductor."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
-
     return _compile_fx(gm, example_inputs, **kwargs)
 
 
 def run_after(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
     """Make each key node of ``graph`` run after the nodes listed for it, in any scheduler.
-
-    Inductor's ``preserve_node_ordering`` (``_inductor/fx_passes/control_dependencies``, in
-    2.11 and 2.13) wraps each key node in the ``control_deps`` higher-order op; lowering turns
-    the listed nodes into ordering-only dependencies of the operations the key node lowers
-    to: they neither extend a buffer's lifetime nor copy anything. A listed node must lower
-    to a tensor (2.11 drops other dependencies without a word), and a key node must lower to
-    at least one operation of its own (a view or a getitem lowers to none).
-    """
+    A listed node must lower to a tensor, a key node to at least one operation of its own."""
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
-
     _control_deps_kernels()
     preserve_node_ordering(graph, {node: OrderedSet(after) for node, after in deps.items()})
 
 
 def _control_deps_kernels() -> None:
-    """Give ``control_deps`` the autograd and eager kernels torch 2.13 gives it.
-
-    torch 2.11 registers only its fake kernel. Inductor's ``FakeTensorProp`` of the graph runs
-    with grad mode on, so the call dispatches through the autograd key first and fails
-    ("could not find kernel for HigherOrderOperator control_deps at dispatch key
-    AutogradCPU"): every pinned graph failed to compile on 2.11. Both kernels run the wrapped
-    subgraph, as torch 2.13's do; where torch has them, nothing is registered.
-    """
+    """Give ``control_deps`` the autograd and eager kernels of torch 2.13 (2.11 lacks them)."""
     from torch._C import DispatchKey
     from torch._inductor.fx_passes.control_dependencies import control_deps
 
@@ -311,20 +227,10 @@ def _control_deps_kernels() -> None:
 
 
 def assume_aligned_outputs(op: Any) -> None:
-    """Let Inductor assume that the tensors ``op`` returns are aligned (once per process).
-
-    Inductor marks every output of a fallback op "assumed to be not aligned" when any tensor
-    argument is unaligned (``FallbackKernel.create``, ``has_unaligned_input``), and a graph
-    input on the CPU, such as a transfer's handle, always is (``should_assume_input_aligned``).
-    The flag spreads to kernels that read the output, which on a GPU then lose vectorised
-    loads. fxckpt's ``wait`` always returns a fresh allocation at offset 0, so its lowering
-    here is Inductor's own fallback with that flag cleared; Inductor then asserts the
-    alignment at run time (``assert_alignment``) instead of assuming the worst.
-    """
+    """Let Inductor assume the tensors ``op`` returns are aligned (once per process)."""
     from torch._inductor import ir, lowering
     from torch._inductor.virtualized import V
     from torch.utils import _pytree as pytree
-
     if getattr(lowering.lowerings.get(op), "_fxckpt_aligned", False):
         return
     fallback = lowering.fallback_handler(op)
@@ -342,18 +248,9 @@ def assume_aligned_outputs(op: Any) -> None:
 
 
 def cache_pinned_graphs() -> dict[str, Any]:
-    """The per-compile Inductor setting that lets the FX graph cache store graphs in which
-    :func:`run_after` wrapped nodes.
-
-    ``control_deps`` is a higher-order op marked not cacheable (``HigherOrderOperator.
-    cacheable``), so without this every compile of a pinned graph bypasses the cache
-    ("Can't cache HigherOrderOperator: control_deps") and a warm process recompiles. The
-    wrapped subgraphs are submodules of the graph module, whose code the cache key hashes,
-    so a cached graph is keyed by what it runs. Adds to the user's own entries.
-    """
+    """The Inductor setting that lets the FX graph cache store :func:`run_after`'s graphs."""
     from torch._inductor import config
     from torch._inductor.fx_passes.control_dependencies import control_deps
-
     name = f"{control_deps.__module__}.{control_deps.__name__}"
     return {
         "unsafe_marked_cacheable_functions": {
@@ -363,37 +260,28 @@ def cache_pinned_graphs() -> dict[str, Any]:
 
 
 def inductor_channels_last_nodes(fw: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The nodes of a training forward whose 4-D values Inductor lays out channels-last, by
-    Inductor's own rules: none where ``GraphLowering.decide_layout_opt`` turns layout
-    optimization off for the graph, else ``find_nodes_prefer_channels_last``, which reads
-    only the graph (``self.module.graph``). The same in torch 2.11, 2.13 and 2.15."""
+    """The nodes of a training forward whose 4-D values Inductor lays out channels-last."""
     from types import SimpleNamespace
 
     from torch._inductor.graph import GraphLowering
-
     if not GraphLowering.decide_layout_opt(fw, is_inference=False):
         return set()
     return set(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw)))  # type: ignore[arg-type]
 
 
 def non_overlapping_and_dense(val: torch.Tensor) -> bool:
-    """Whether ``val``'s elements fill its extent once each (``False`` where that depends on
-    symbols), as Inductor decides before it re-lays out an output."""
+    """Whether ``val``'s elements fill its extent once each (False where symbols decide)."""
     from torch._prims_common import is_non_overlapping_and_dense_or_false
-
     return bool(is_non_overlapping_and_dense_or_false(val))
 
 
 def inductor_mode_options() -> dict[str, dict[str, Any]]:
     """``torch.compile``'s ``mode`` names and the Inductor settings each stands for."""
     from torch._inductor import list_mode_options
-
     return dict(list_mode_options())
 
 
 # Size symbols, the shape environment and fake tensors.
-
-
 def symbol_hints(shape_env: Any) -> dict[Any, Any]:
     """Each backed size symbol's value in the call being compiled."""
     # backed_var_to_val in 2.13 (var_to_val is its deprecated alias); var_to_val in 2.11.
@@ -402,10 +290,8 @@ def symbol_hints(shape_env: Any) -> dict[Any, Any]:
 
 
 def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
-    """The largest value dynamo allows ``symbol`` (``mark_dynamic``'s max, or a range it
-    derived), or None where it is unbounded."""
+    """The largest value dynamo allows ``symbol``, or None where it is unbounded."""
     import sympy
-
     vr = shape_env.var_to_range.get(symbol)
     upper = getattr(vr, "upper", None)
     # Unbounded is torch's int_oo, which calls itself finite but is no sympy.Integer.
@@ -415,7 +301,6 @@ def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
 def symbol_lower_bound(shape_env: Any, symbol: Any) -> int:
     """The smallest value dynamo allows ``symbol`` (2 for an unmarked dynamic size)."""
     import sympy
-
     lower = getattr(shape_env.var_to_range.get(symbol), "lower", None)
     return int(lower) if isinstance(lower, sympy.Integer) else 0
 
@@ -432,7 +317,6 @@ def symbol_source(shape_env: Any, symbol: Any) -> str:
 def free_unbacked(expr: Any) -> bool:
     """Whether ``expr`` has data-dependent (unbacked) symbols, which no guard can test."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     return bool(free_unbacked_symbols(expr))
 
 
@@ -441,7 +325,6 @@ def size_hint(value: Any, fallback: int) -> int:
     if not isinstance(value, torch.SymInt):
         return int(value)
     from torch.fx.experimental import symbolic_shapes as ss
-
     # 2.13's name, then 2.11's (whose hint_int is a deprecated alias that warns).
     for name in ("optimization_hint", "size_hint"):
         fn = getattr(ss, name, None)
@@ -452,22 +335,12 @@ def size_hint(value: Any, fallback: int) -> int:
 
 
 # Re-planning a graph at run time (fxckpt.adapt) re-runs its compile outside dynamo.
-
-
 def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
-    """The fake mode a backend compile runs in, and fake copies of its example inputs made as
-    AOTAutograd makes them (``_aot_autograd.frontend_utils.process_inputs``): each real tensor
-    with the symbolic context dynamo gave it, so a later compile from these fakes is made
-    for the same symbolic sizes, under the same shape environment. None for inputs it cannot
-    copy that way (tensor subclasses, fakes of another mode).
-
-    Called inside dynamo's backend call, before the compile: the fake mode's memo then
-    hands AOTAutograd these same fakes.
-    """
+    """The fake mode of the backend compile running now, and fake copies of its example inputs
+    as AOTAutograd makes them; None for tensor subclasses or fakes of another mode."""
     from torch._guards import TracingContext
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     ctx = TracingContext.try_get()
     mode = ctx.fake_mode if ctx is not None and ctx.fake_mode is not None else None
     contexts = ctx.tensor_to_context if ctx is not None else {}
@@ -497,7 +370,6 @@ def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
 def recompiling(fake_mode: Any) -> Any:
     """A fresh tracing context over ``fake_mode``, for a compile outside dynamo."""
     from torch._guards import TracingContext, tracing
-
     return tracing(TracingContext(fake_mode))
 
 
@@ -510,35 +382,21 @@ def shape_guard_count(fake_mode: Any) -> int:
 def detect_fake_mode(inputs: Any) -> Any:
     """The fake mode that traced ``inputs`` (dynamo's, while it compiles), or None."""
     from torch._guards import detect_fake_mode as detect
-
     return detect(inputs)
 
 
 def no_tracing_context() -> Any:
-    """A context outside any dynamo tracing context, for compiling another graph again from
-    inside one graph's compile (AOTAutograd would otherwise write into the outer one's)."""
+    """A context outside any dynamo tracing context, to compile a graph inside another's."""
     from torch._guards import tracing
-
     return tracing(None)
 
 
-# Memory events. torch's CPU allocator keeps no counters of its own that Python can read; it
-# reports each allocation and free to the profiler when memory profiling is on
-# (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter). Restricting the profiler to a
-# RecordFunction scope that training never enters leaves ops unrecorded, so only those reports
-# are collected: the same events torch.profiler.profile(profile_memory=True) lists, at a
-# fraction of its cost.
-
-
+# Memory events: the CPU allocator's reports to the profiler, with no op recorded.
 def start_memory_events() -> None:
-    """Start recording the calling thread's allocator events (raises if a profiler is on).
-
-    The profiler's start and stop lines on stderr are dropped (:mod:`fxckpt._profiler_log`).
-    """
+    """Start recording the calling thread's allocator events (raises if a profiler is on)."""
     from torch._C import _autograd, _profiler
 
     from fxckpt._profiler_log import quiet_trace_lines
-
     config = _profiler.ProfilerConfig(
         _profiler.ProfilerState.KINETO,
         False,  # report_input_shapes
@@ -556,15 +414,10 @@ def start_memory_events() -> None:
 
 
 def stop_memory_events() -> list[tuple[int, int, int, str]]:
-    """Stop recording; ``(time_ns, ptr, bytes, device)`` per event, in time order.
-
-    ``bytes`` is negative for a free. A free is reported only for a block allocated while
-    some profiler recorded memory, so frees of older blocks are missing.
-    """
+    """Stop recording; ``(time_ns, ptr, bytes, device)`` per event in time order (< 0: a free)."""
     from torch._C import _autograd, _profiler
 
     from fxckpt._profiler_log import quiet_trace_lines
-
     with quiet_trace_lines():
         result = _autograd._disable_profiler()
         stack = list(result.experimental_event_tree())
@@ -582,55 +435,3 @@ def stop_memory_events() -> list[tuple[int, int, int, str]]:
 def profiler_enabled() -> bool:
     """Whether a torch profiler session is recording on this thread."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
-
-
-__all__ = [
-    "aot_autograd",
-    "assume_aligned_outputs",
-    "backend_failure",
-    "boxed_nop",
-    "cache_pinned_graphs",
-    "CheckpointPolicy",
-    "compile_call_owner",
-    "compile_fx",
-    "composite_ops_decompose_on_meta",
-    "current_compile_id",
-    "CustomPartitionerFn",
-    "dedup_joint",
-    "detect_fake_mode",
-    "fake_inputs",
-    "flop_formula",
-    "free_unbacked",
-    "has_side_effect",
-    "inductor_channels_last_nodes",
-    "inductor_mode_options",
-    "is_fake_tensor",
-    "lazy_graph_modules",
-    "make_boxed_func",
-    "make_graph_module",
-    "min_cut_keywords",
-    "min_cut_rematerialization_partition",
-    "min_cut_without_cse",
-    "no_tracing_context",
-    "non_overlapping_and_dense",
-    "OFFLOAD_POLICIES",
-    "OpOverload",
-    "outside_fake_mode",
-    "profiler_enabled",
-    "recompiling",
-    "register_backend_name",
-    "register_logging",
-    "reset_dynamo",
-    "run_after",
-    "saved_tensors_hooks_free",
-    "shape_guard_count",
-    "size_hint",
-    "start_memory_events",
-    "stop_memory_events",
-    "symbol_hints",
-    "symbol_lower_bound",
-    "symbol_source",
-    "symbol_upper_bound",
-    "TORCH_VERSION",
-    "trace_plan_artifact",
-]
