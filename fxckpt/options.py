@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import hashlib
 import json
 import math
@@ -17,7 +16,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import InitVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from fxckpt import _host
 from fxckpt._host import HOST_AUTO_MARGIN, HOST_AUTO_MARGIN_BYTES  # noqa: F401  (documented here)
@@ -131,6 +130,40 @@ def _parse_dir(value: Any) -> str | None:
     return os.path.abspath(os.path.expanduser(path))
 
 
+_T = TypeVar("_T")
+
+
+class _Default:
+    """The default of an :class:`Options` field, told apart from the same value passed on
+    purpose; ``Options.__post_init__`` unwraps it, so no instance ever holds one."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:  # what help(Options) and inspect.signature show as the default
+        return repr(self.value)
+
+
+def _default(value: _T) -> _T:
+    """A field's default, marked so that ``__post_init__`` can leave it out of ``explicit``.
+
+    Typed as the value, so type checkers see the field's real default. A mutable value is
+    refused as dataclasses refuses it (the marker would hide it from that check); such a field
+    takes ``field(default_factory=lambda: _Default([]))``, which ``__post_init__`` unwraps too.
+    """
+    if type(value).__hash__ is None:
+        raise ValueError(f"mutable default {type(value).__name__} for an option: use a factory")
+    return cast(_T, _Default(value))
+
+
+def _unwrap(value: Any) -> tuple[Any, bool]:
+    """``(value, explicit)``: the value a field holds once a :class:`_Default` is unwrapped, and
+    whether the caller passed it (rather than taking the default)."""
+    return (value.value, False) if isinstance(value, _Default) else (value, True)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Every fxckpt option, validated and normalised on construction (docs/options.md).
@@ -147,34 +180,50 @@ class Options:
     impossible raises :class:`~fxckpt.errors.BudgetError`.
     """
 
-    memory_budget: int | float | str | None = None
-    segment_stride: int = 0
-    segment_width: int | None = None
-    offload: str = "auto"
-    min_offload_bytes: int = 0
-    prefetch: str = "auto"
-    coalesce: str = "auto"
-    copy_streams: int = 1
-    host_budget: int | float | str | None = None
-    offload_dir: str | None = None
-    offload_dir_bandwidth: float | None = None
+    # Each default is a _default(...): __post_init__ unwraps it and records the rest as explicit.
+    memory_budget: int | float | str | None = _default(None)
+    segment_stride: int = _default(0)
+    segment_width: int | None = _default(None)
+    offload: str = _default("auto")
+    min_offload_bytes: int = _default(0)
+    prefetch: str = _default("auto")
+    coalesce: str = _default("auto")
+    copy_streams: int = _default(1)
+    host_budget: int | float | str | None = _default(None)
+    offload_dir: str | None = _default(None)
+    offload_dir_bandwidth: float | None = _default(None)
     # A documented alias of host_budget that takes bytes only (the name of earlier versions).
-    pinned_pool_bytes: InitVar[int | str | None] = None
-    bandwidth: float | None = None
-    cost_model: str = "flops"
-    compiler: str = "inductor"
-    on_infeasible: str = "raise"
+    pinned_pool_bytes: InitVar[int | str | None] = _default(None)
+    bandwidth: float | None = _default(None)
+    cost_model: str = _default("flops")
+    compiler: str = _default("inductor")
+    on_infeasible: str = _default("raise")
     # Re-plan a graph whose measured copies contradict its plan's assumptions (fxckpt.adapt).
-    adapt: str = "auto"
+    adapt: str = _default("auto")
     # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
     # gets a share, planning.step_budget); "graph": every graph on its own, as before.
-    budget_scope: str = "step"
-    blocks: str | None = None
-    block_index: int | None = None
+    budget_scope: str = _default("step")
+    blocks: str | None = _default(None)
+    block_index: int | None = _default(None)
 
     def __post_init__(self, pinned_pool_bytes: int | str | None = None) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)  # the dataclass is frozen
+
+        # Every value the caller passed counts as explicit, a default's own value included
+        # (Options(memory_budget=None) sets it); a default left alone arrives as a _Default.
+        # A sorted tuple, not a set: Inductor pickles the options into its cache key, and a
+        # set of strings pickles in an order that changes from one process to the next.
+        explicit = []
+        for f in dataclasses.fields(self):
+            value, passed = _unwrap(getattr(self, f.name))
+            put(f.name, value)
+            if passed:
+                explicit.append(f.name)
+        pinned_pool_bytes, passed = _unwrap(pinned_pool_bytes)
+        if passed:
+            explicit.append("pinned_pool_bytes")
+        put("_explicit", tuple(sorted(explicit)))
 
         put("memory_budget", _parse_budget(self.memory_budget))
         stride = _parse_int(self.segment_stride, "segment_stride", 0)
@@ -286,21 +335,6 @@ class Options:
 Options.pinned_pool_bytes = property(  # type: ignore[attr-defined]
     lambda self: self.host_budget, doc="Alias of ``host_budget`` (bytes only when given)."
 )
-
-
-_dataclass_init = Options.__init__
-
-
-def _init_recording_explicit(self: Options, **kwargs: Any) -> None:
-    _dataclass_init(self, **kwargs)
-    # A sorted tuple, not a set: Inductor pickles the options into its cache key, and a set of
-    # strings pickles in an order that changes from one process to the next.
-    object.__setattr__(self, "_explicit", tuple(sorted(kwargs)))  # the dataclass is frozen
-
-
-# The generated __init__ cannot tell a default from the same value passed on purpose; the
-# keyword arguments can. (Options is keyword-only, so every value set arrives as one.)
-setattr(Options, "__init__", functools.wraps(_dataclass_init)(_init_recording_explicit))  # noqa: B010
 
 
 def _check_blocks(blocks: Any) -> None:

@@ -327,6 +327,17 @@ def test_options_know_what_was_set_explicitly() -> None:
     assert pickle.loads(pickle.dumps(set_)).explicit == set_.explicit  # travels in cache keys
 
 
+def test_explicit_is_what_was_passed_not_what_differs() -> None:
+    # A default passed on purpose counts; the alias is named as passed; a default left alone
+    # leaves no marker behind (every field holds its plain value, the dataclass's own __init__).
+    assert Options(memory_budget=None, pinned_pool_bytes=None).explicit == {"memory_budget", "pinned_pool_bytes"}
+    assert not hasattr(Options.__init__, "__wrapped__")
+    assert all(type(v).__name__ != "_Default" for v in vars(Options()).values())
+    # dataclasses.replace passes every field (and the alias, read back as host_budget) again.
+    replaced = dataclasses.replace(Options(memory_budget=0.5), segment_stride=2)
+    assert replaced.explicit == {*(f.name for f in dataclasses.fields(Options)), "pinned_pool_bytes"}
+
+
 def test_cache_key_distinguishes_int_from_fraction() -> None:
     assert Options(memory_budget=1).cache_key() != Options(memory_budget=1.0).cache_key()
 
