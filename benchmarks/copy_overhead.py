@@ -1,4 +1,5 @@
-"""Host time per offloaded tensor: the figure behind ``fxckpt.graph.costs.COPY_OVERHEAD_MS``.
+"""Host time per offloaded tensor: the figure behind ``copy_overhead_ms`` in
+``fxckpt.graph.costs.DEFAULT_COSTS`` (its ``cpu`` and ``cuda`` rows).
 
     python -m benchmarks.copy_overhead [--device cuda] [--kib 64]
 

@@ -79,23 +79,70 @@ def test_the_cuda_probe_steps_out_of_a_fake_mode() -> None:
     assert hw.locked_bytes() == 0 and hw.races == []
 
 
-def test_each_figure_says_where_it_came_from(monkeypatch) -> None:
-    monkeypatch.setattr(costs, "measure_bandwidth", lambda device: 4e6)  # bytes per ms
+def test_each_figure_says_where_it_came_from() -> None:
     measured = costs.assumptions(Options(), torch.device("cpu"))
-    assert measured["bandwidth_bytes_per_s"] == {"value": 4e9, "source": "measured"}
-    assert measured["compute_flops_per_s"] == {
-        "value": costs.DEFAULT_CPU_FLOPS_PER_MS * 1e3, "source": "default"}
-    assert measured["copy_overhead_ms"] == {
-        "value": costs.COPY_OVERHEAD_MS["cpu"], "source": "default"}
+    probed = costs.measure_bandwidth("cpu")  # cached per process: the figure just assumed
+    assert measured["bandwidth_bytes_per_s"] == {"value": probed * 1e3, "source": "measured"}
+    assert measured["compute_flops_per_s"] == {"value": 1e11, "source": "default"}
+    assert measured["memory_bytes_per_s"] == {"value": 1e10, "source": "default"}
+    assert measured["copy_overhead_ms"] == {"value": 0.5, "source": "default"}
+    assert measured["copy_margin"] == {"value": 0.5, "source": "default"}
     given = costs.assumptions(Options(bandwidth="12GB/s"), "cuda:0")
     assert given["bandwidth_bytes_per_s"] == {"value": 12e9, "source": "option"}
-    assert given["compute_flops_per_s"]["value"] == costs.DEFAULT_CUDA_FLOPS_PER_MS * 1e3
+    assert given["compute_flops_per_s"]["value"] == 1e14
+    assert given["copy_overhead_ms"]["value"] == 0.1
     offline = costs.assumptions(Options(), "meta")
-    assert offline["bandwidth_bytes_per_s"] == {
-        "value": costs.DEFAULT_PCIE_BYTES_PER_MS * 1e3, "source": "default"}
+    assert offline["bandwidth_bytes_per_s"] == {"value": 2.5e10, "source": "default"}
     unit = costs.assumptions(Options(cost_model="unit"), "cpu")
-    assert unit["bandwidth_bytes_per_s"]["source"] == "default"
+    assert unit["bandwidth_bytes_per_s"] == {"value": 1e9, "source": "default"}
     assert unit["copy_overhead_ms"]["value"] == 0.0
+    assert unit["copy_margin"]["value"] == 0.0
+
+
+# Every figure unlike the default's and unlike each other's: a figure read from the wrong
+# row, the wrong field or the default table shows.
+OTHER = costs.CostTable(
+    cpu=costs.DeviceCosts(flops_per_ms=4e8, bytes_per_ms=3e7, copy_overhead_ms=7.0),
+    cuda=costs.DeviceCosts(flops_per_ms=5e10, bytes_per_ms=6e8, copy_overhead_ms=3.0),
+    pcie_bytes_per_ms=9e6,
+    copy_margin=0.25,
+    unit_bytes_per_ms=2e6,
+    unit_disk_bytes_per_ms=3e5,
+)
+
+
+def test_a_table_passed_in_gives_the_figures_it_holds() -> None:
+    def values(options: Options, device: object) -> dict[str, float]:
+        got = costs.assumptions(options, device, table=OTHER)
+        assert got != costs.assumptions(options, device)
+        return {k: v["value"] for k, v in got.items()}
+
+    # Offline: every figure is the table's, from the GPU row.
+    assert values(Options(), "meta") == {
+        "bandwidth_bytes_per_s": 9e9, "compute_flops_per_s": 5e13, "memory_bytes_per_s": 6e11,
+        "copy_overhead_ms": 3.0, "link_overhead_ms": 0.0, "copy_margin": 0.25}
+    # A CPU device reads the CPU row; a given bandwidth still beats the table's.
+    assert values(Options(bandwidth="12GB/s"), torch.device("cpu")) == {
+        "bandwidth_bytes_per_s": 12e9, "compute_flops_per_s": 4e11, "memory_bytes_per_s": 3e10,
+        "copy_overhead_ms": 7.0, "link_overhead_ms": 0.0, "copy_margin": 0.25}
+    # The unit model: the table's unit link, and neither overhead nor margin.
+    unit = values(Options(cost_model="unit"), "cuda:0")
+    assert unit["bandwidth_bytes_per_s"] == 2e9
+    assert unit["copy_overhead_ms"] == unit["copy_margin"] == 0.0
+    # Measured at run time still beats the table.
+    replan = costs.assumptions(Options(), "meta", {"copy_overhead_ms": 1.25}, table=OTHER)
+    assert replan["copy_overhead_ms"] == {"value": 1.25, "source": costs.RUN_TIME}
+    assert replan["copy_margin"] == {"value": 0.25, "source": "default"}
+
+
+def test_the_unit_disk_rate_comes_from_the_table(tmp_path: Path) -> None:
+    from fxckpt.planning import host
+
+    unit = Options(cost_model="unit", offload_dir=str(tmp_path))  # measured nothing
+    assert host.disk_rates(unit) == host.tiers.DiskRates(1e5, 1e5)
+    assert host.disk_rates(unit, OTHER) == host.tiers.DiskRates(3e5, 3e5)
+    given = Options(cost_model="unit", offload_dir_bandwidth="1GB/s")
+    assert host.disk_rates(given, OTHER) == host.tiers.DiskRates(1e6, 1e6)  # the option wins
 
 
 def test_the_plan_prices_copies_with_the_figures_it_records() -> None:

@@ -16,7 +16,6 @@ import torch.fx as fx
 from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import flop_formula
 from fxckpt.graph.probes import (  # noqa: F401  (_bandwidth: tests clear its cache)
-    DEFAULT_PCIE_BYTES_PER_MS,
     _bandwidth,
     measure_bandwidth,
     profile_ms,
@@ -29,32 +28,88 @@ if TYPE_CHECKING:
 
     from fxckpt.options import Options
 
-# Sustained rates for the "flops" model, in FLOPs per millisecond. Deliberately below peak:
-# a recomputed op runs alone, without the fusion and overlap of the original step.
-DEFAULT_CPU_FLOPS_PER_MS = 1e8  # ~100 GFLOP/s, a few cores of a server CPU
-DEFAULT_CUDA_FLOPS_PER_MS = 1e11  # ~100 TFLOP/s, well below an H100's bf16 dense peak
-# Memory traffic bounds the ops FlopCounterMode gives no FLOPs (elementwise, norms, softmax):
-# without it their recompute would look free.
-DEFAULT_CPU_BYTES_PER_MS = 1e7  # ~10 GB/s
-DEFAULT_CUDA_BYTES_PER_MS = 2e9  # ~2 TB/s of HBM
+@dataclass(frozen=True)
+class DeviceCosts:
+    """One device kind's row of a :class:`CostTable`: what the ``"flops"`` model prices a
+    node with, and what one offload costs the compute thread, on that kind of device."""
 
-# Host time the compute thread spends per offloaded tensor, in ms: four runtime-op calls
-# (offload, offload_done, prefetch, wait) and two hand-offs to the copy engine. The copies hide
-# behind compute; this does not, so the planner pays it per offload instead of excluding small
-# tensors with a fixed threshold. "cpu": the CPU engine (worker threads), measured by
-# ``python -m benchmarks.copy_overhead`` (0.40-0.56 ms per 64 KiB round trip on two loaded
-# cores). "cuda": an estimate until ``benchmarks/copy_overhead.py`` runs on a GPU: four Python
-# custom-op dispatches (~10-20 us each) plus two cudaMemcpyAsync calls (~5-7 us each,
-# as measured for page-locked copies) and their events. Offline plans (meta) price a GPU's engine.
-COPY_OVERHEAD_MS = {"cpu": 0.5, "cuda": 0.1}
+    flops_per_ms: float
+    """Sustained compute, in FLOPs per millisecond. Deliberately below peak: a recomputed op
+    runs alone, without the fusion and overlap of the original step."""
 
-# The planner places and prices copies as if they took this much longer than the link's
-# figures say: compute runs faster or slower than its estimate (another process's load, a
-# kernel the cost model misjudges) and a link delivers less than its probe (torchtitan saw
-# 32 GB/s in steps against 52 benchmarked). Through an emulated link at an H200's ratio,
-# plans made without it stalled up to 2.8 % of a step where they said "hidden"; with it,
-# the same offloads and no stall (benchmarks/gpu_shaped.py, docs/benchmarks.md).
-COPY_MARGIN = 0.5
+    bytes_per_ms: float
+    """Sustained device-memory traffic, in bytes per millisecond. It bounds the ops
+    ``FlopCounterMode`` gives no FLOPs (elementwise, norms, softmax): without it their
+    recompute would look free."""
+
+    copy_overhead_ms: float
+    """Host time, in milliseconds, the compute thread spends per offloaded tensor (per copy
+    bucket): four runtime-op calls (``offload``, ``offload_done``, ``prefetch``, ``wait``) and
+    two hand-offs to the copy engine. The copies hide behind compute; this does not, so the
+    planner pays it per offload instead of excluding small tensors with a fixed threshold."""
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Every default rate and overhead of the cost model, in one place.
+
+    :func:`assumptions` turns a table into the figures one compile plans with (the plan
+    records them, each with its source); a figure measured, given as an option or emulated
+    replaces the table's there. The functions that read a figure take the table as a
+    parameter, :data:`DEFAULT_COSTS` by default (another is made with ``dataclasses.replace``);
+    the compile passes none, so every plan is priced with :data:`DEFAULT_COSTS`, and code that
+    holds a plan's assumptions reads its figures from there. :meth:`row` picks a device
+    kind's row: ``cuda`` for CUDA and for the meta device (offline plans are made for a GPU
+    that is not here), ``cpu`` otherwise.
+    """
+
+    cpu: DeviceCosts = DeviceCosts(flops_per_ms=1e8, bytes_per_ms=1e7, copy_overhead_ms=0.5)
+    """A CPU device: ~100 GFLOP/s (a few cores of a server CPU) and ~10 GB/s of memory
+    traffic. Its copy overhead, 0.5 ms, is the CPU engine's (worker threads), measured by
+    ``python -m benchmarks.copy_overhead``: 0.40-0.56 ms per 64 KiB round trip on two loaded
+    cores."""
+
+    cuda: DeviceCosts = DeviceCosts(flops_per_ms=1e11, bytes_per_ms=2e9, copy_overhead_ms=0.1)
+    """A GPU (CUDA, and meta for offline plans): ~100 TFLOP/s, well below an H100's bf16
+    dense peak, and ~2 TB/s of HBM. Its copy overhead, 0.1 ms, is an estimate until
+    ``benchmarks/copy_overhead.py`` runs on a GPU: four Python custom-op dispatches (~10-20 us
+    each) plus two cudaMemcpyAsync calls (~5-7 us each, as measured for page-locked copies)
+    and their events."""
+
+    pcie_bytes_per_ms: float = 2.5e7
+    """The host link an offline plan (meta device) assumes, in bytes per millisecond:
+    ~25 GB/s host<->device, about what a PCIe 4.0 x16 link delivers (a heavily derated
+    Gen5 x16). Nothing is measured offline; the ``bandwidth`` option replaces it."""
+
+    copy_margin: float = 0.5
+    """The planner places and prices copies as if they took ``1 + copy_margin`` times what
+    the link's figures say: compute runs faster or slower than its estimate (another
+    process's load, a kernel the cost model misjudges) and a link delivers less than its probe
+    (torchtitan saw 32 GB/s in steps against 52 benchmarked). Through an emulated link at an
+    H200's ratio, plans made without it stalled up to 2.8 % of a step where they said
+    "hidden"; with it, the same offloads and no stall (``benchmarks/gpu_shaped.py``,
+    ``docs/benchmarks.md``). 0 under ``cost_model="unit"``."""
+
+    unit_bytes_per_ms: float = 1e6
+    """The host link under ``cost_model="unit"``, in bytes per millisecond: 1 MB per unit
+    step, so that unit plans are deterministic and measure nothing."""
+
+    unit_disk_bytes_per_ms: float = 1e5
+    """The disk tier under ``cost_model="unit"``, in bytes per millisecond, both directions:
+    10x slower than the unit model's host link, so that unit plans with a disk tier measure
+    nothing either."""
+
+    def row(self, device: Any) -> DeviceCosts:
+        """The row of ``device``'s kind (a ``torch.device`` or its name): :attr:`cuda` for
+        CUDA and meta, :attr:`cpu` for anything else."""
+        kind = device if isinstance(device, str) else getattr(device, "type", str(device))
+        return self.cuda if _gpu_like(str(kind)) else self.cpu
+
+
+DEFAULT_COSTS = CostTable()
+"""The table every compile plans with unless given another: frozen, so nothing changes it
+behind a plan's back."""
+
 
 _VIEW_METHODS = frozenset({"view", "reshape", "expand", "permute", "transpose", "t",
                            "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
@@ -194,21 +249,19 @@ class Rates:
     bytes_per_ms: float
 
 
-def device_rates(device: Any) -> Rates:
-    """The default rates of ``device``'s type (meta stands for a GPU)."""
-    kind = device if isinstance(device, str) else getattr(device, "type", str(device))
-    if _gpu_like(str(kind)):
-        return Rates(DEFAULT_CUDA_FLOPS_PER_MS, DEFAULT_CUDA_BYTES_PER_MS)
-    return Rates(DEFAULT_CPU_FLOPS_PER_MS, DEFAULT_CPU_BYTES_PER_MS)
+def device_rates(device: Any, table: CostTable = DEFAULT_COSTS) -> Rates:
+    """The rates of ``device``'s kind in ``table`` (meta stands for a GPU)."""
+    row = table.row(device)
+    return Rates(row.flops_per_ms, row.bytes_per_ms)
 
 
-def planning_rates(device: Any) -> tuple[Rates, str]:
+def planning_rates(device: Any, table: CostTable = DEFAULT_COSTS) -> tuple[Rates, str]:
     """The rates the planner prices compute with on ``device``, and their source: the
-    defaults, or (CPU, under an emulated link derived from a target) the defaults scaled to
+    table's, or (CPU, under an emulated link derived from a target) the table's scaled to
     this machine's measured compute, ``"emulated"``."""
     from fxckpt import _link
 
-    rates = device_rates(device)
+    rates = device_rates(device, table)
     name = device if isinstance(device, str) else str(device)
     link = _link.spec() if name.startswith("cpu") else None
     if link is None or link.compute_scale == 1.0:
@@ -217,10 +270,11 @@ def planning_rates(device: Any) -> tuple[Rates, str]:
     return Rates(rates.flops_per_ms / scale, rates.bytes_per_ms / scale), EMULATED
 
 
-def flops_to_ms(flops: float, device: Any, rates: Rates | None = None) -> float:
-    """Milliseconds for ``flops`` at ``rates`` (default: the sustained rate of ``device``'s
-    type)."""
-    return flops / (rates or device_rates(device)).flops_per_ms
+def flops_to_ms(flops: float, device: Any, rates: Rates | None = None,
+                table: CostTable = DEFAULT_COSTS) -> float:
+    """Milliseconds for ``flops`` at ``rates`` (default: ``table``'s sustained rate for
+    ``device``'s kind)."""
+    return flops / (rates or device_rates(device, table)).flops_per_ms
 
 
 def _gpu_like(device: str) -> bool:
@@ -232,26 +286,29 @@ def _gpu_like(device: str) -> bool:
 # the CPU engine's emulated host link (fxckpt._link).
 MEASURED, OPTION, DEFAULT, EMULATED = "measured", "option", "default", "emulated"
 RUN_TIME = "measured at run time"  # a re-plan's figures, from the graph's own copies
-UNIT_BYTES_PER_MS = 1e6  # cost_model="unit": 1 MB per unit step, deterministic
 
 
-def assumptions(options: Options, device: Any, measured: Mapping[str, float] | None = None
-                ) -> dict[str, dict[str, Any]]:
+def assumptions(options: Options, device: Any, measured: Mapping[str, float] | None = None,
+                table: CostTable = DEFAULT_COSTS) -> dict[str, dict[str, Any]]:
     """What the cost model assumes for one compile on ``device``, each figure with where it
     came from: ``{"name": {"value": float, "source": "measured" | "option" | "default" |
     "emulated"}}``.
 
     - ``bandwidth_bytes_per_s``: the host link (``bandwidth`` option, else an emulated link's
       on the CPU, else probed once per device and process, outside any fake mode; offline
-      plans and ``cost_model="unit"`` take a table's figure);
+      plans and ``cost_model="unit"`` take ``table``'s figure);
     - ``link_overhead_ms``: each copy's fixed time on its queue (an emulated link's, else 0);
     - ``compute_flops_per_s`` and ``memory_bytes_per_s``: the ``"flops"`` model's sustained
       rates for the device's kind (``"profile"`` times ops instead, where it can), scaled to
       this machine's measured compute under a link derived from a target
       (:func:`planning_rates`);
-    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread;
+    - ``copy_overhead_ms``: the host time one offloaded tensor costs the compute thread
+      (:func:`copy_overhead_ms`);
     - ``copy_margin``: copies are placed and priced as taking ``1 + copy_margin`` times what
-      the link's figures say (:data:`COPY_MARGIN`; 0 under ``cost_model="unit"``).
+      the link's figures say (:attr:`CostTable.copy_margin`; 0 under ``cost_model="unit"``).
+
+    Every figure not measured, given or emulated is ``table``'s (:data:`DEFAULT_COSTS`
+    unless another is passed), with the source ``"default"``.
 
     The planner prices copies with exactly these figures, and the plan records them as
     ``Plan.assumptions``. This is the one place a figure's source is decided: a setting
@@ -270,21 +327,22 @@ def assumptions(options: Options, device: Any, measured: Mapping[str, float] | N
     elif link is not None:
         bandwidth = _figure(link.bandwidth, EMULATED)
     elif options.cost_model == "unit":
-        bandwidth = _figure(UNIT_BYTES_PER_MS * 1e3, DEFAULT)
+        bandwidth = _figure(table.unit_bytes_per_ms * 1e3, DEFAULT)
     elif name.startswith("meta"):
-        bandwidth = _figure(DEFAULT_PCIE_BYTES_PER_MS * 1e3, DEFAULT)
+        bandwidth = _figure(table.pcie_bytes_per_ms * 1e3, DEFAULT)
     else:
         bandwidth = _figure(measure_bandwidth(device) * 1e3, MEASURED)
-    rates, rates_source = planning_rates(name)
+    rates, rates_source = planning_rates(name, table)
     unit = options.cost_model == "unit"
     figures = {
         "bandwidth_bytes_per_s": bandwidth,
         "compute_flops_per_s": _figure(rates.flops_per_ms * 1e3, rates_source),
         "memory_bytes_per_s": _figure(rates.bytes_per_ms * 1e3, rates_source),
-        "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model), DEFAULT),
+        "copy_overhead_ms": _figure(copy_overhead_ms(device, options.cost_model, table),
+                                    DEFAULT),
         "link_overhead_ms": (_figure(link.overhead_s * 1e3, EMULATED) if link is not None
                              and not unit else _figure(0.0, DEFAULT)),
-        "copy_margin": _figure(0.0 if unit else COPY_MARGIN, DEFAULT),
+        "copy_margin": _figure(0.0 if unit else table.copy_margin, DEFAULT),
     }
     for key, value in (measured or {}).items():
         figures[key] = _figure(float(value), RUN_TIME)
@@ -295,24 +353,24 @@ def _figure(value: float, source: str) -> dict[str, Any]:
     return {"value": value, "source": source}
 
 
-def copy_overhead_ms(device: Any, cost_model: str) -> float:
+def copy_overhead_ms(device: Any, cost_model: str, table: CostTable = DEFAULT_COSTS) -> float:
     """The fixed host cost of one offloaded tensor on ``device``'s copy engine
-    (:data:`COPY_OVERHEAD_MS`); 0.0 under ``cost_model="unit"``, which stays deterministic."""
+    (:attr:`DeviceCosts.copy_overhead_ms` of ``table``'s row for ``device``); 0.0 under
+    ``cost_model="unit"``, which stays deterministic."""
     if cost_model == "unit":
         return 0.0
-    name = device if isinstance(device, str) else str(device)
-    return COPY_OVERHEAD_MS["cuda" if _gpu_like(name) else "cpu"]
+    return table.row(device).copy_overhead_ms
 
 
-def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates | None = None
-                 ) -> float:
+def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates | None = None,
+                 table: CostTable = DEFAULT_COSTS) -> float:
     """Estimated milliseconds to (re)compute ``node``.
 
     - ``"unit"``: 1.0 per compute node, 0.0 for views, ``getitem`` and non-calls
       (deterministic, for tests);
     - ``"flops"``: the larger of :func:`flops_to_ms` of :func:`node_flops` and the time to
       move the node's inputs and outputs once (which prices elementwise ops, that have no
-      FLOP formula), at ``rates`` (default: :func:`planning_rates` of ``device``);
+      FLOP formula), at ``rates`` (default: :func:`planning_rates` of ``device`` in ``table``);
     - ``"profile"``: times the op on random tensors of its input shapes, on CUDA only. On a
       CPU device it falls back to ``"flops"``; if the op can't run on made-up inputs, too.
     """
@@ -328,7 +386,7 @@ def node_cost_ms(node: torch.fx.Node, cost_model: str, device: Any, rates: Rates
             return profile_ms(node, name, _meta_args)
         except Exception:
             pass
-    rates = rates or planning_rates(name)[0]
+    rates = rates or planning_rates(name, table)[0]
     return max(flops_to_ms(node_flops(node), name, rates), _traffic_ms(node, rates))
 
 

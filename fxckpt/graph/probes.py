@@ -18,23 +18,29 @@ if TYPE_CHECKING:
     import torch
     import torch.fx
 
+    from fxckpt.graph.costs import CostTable
+
 _COPY_BYTES = 64 * 2**20
-# Offline planning (meta) prices this link: ~25 GB/s host<->device, a derated PCIe Gen5 x16.
-DEFAULT_PCIE_BYTES_PER_MS = 2.5e7
 
 
-def measure_bandwidth(device: Any) -> float:
+def measure_bandwidth(device: Any, table: CostTable | None = None) -> float:
     """Host↔device copy bandwidth in bytes/ms, measured once per process and device.
 
     CUDA: a page-locked 64 MiB host buffer copied H2D then D2H three times each on the
     device's own stream, timed with CUDA events; the slower direction wins. CPU: the best of
     three 64 MiB ``copy_`` calls between buffers written beforehand (a memcpy rate). Meta (offline
-    planning): ``DEFAULT_PCIE_BYTES_PER_MS``; pass ``bandwidth`` for another link. Safe to
-    call inside a fake mode: the probe steps out of it.
+    planning): ``table``'s :attr:`~fxckpt.graph.costs.CostTable.pcie_bytes_per_ms` (None:
+    :data:`~fxckpt.graph.costs.DEFAULT_COSTS`, imported here when asked for, since
+    ``costs`` imports this module); pass ``bandwidth`` for another link. Safe to call inside
+    a fake mode: the probe steps out of it.
     """
     name = device if isinstance(device, str) else str(device)
-    if name.startswith("meta"):
-        return DEFAULT_PCIE_BYTES_PER_MS  # offline planning: nothing to measure
+    if name.startswith("meta"):  # offline planning: nothing to measure
+        if table is None:
+            from fxckpt.graph.costs import DEFAULT_COSTS
+
+            table = DEFAULT_COSTS
+        return table.pcie_bytes_per_ms
     if name == "cuda":
         import torch
 

@@ -18,6 +18,7 @@ import torch
 
 from fxckpt import _files
 from fxckpt.graph.activations import SavedActivation, concrete
+from fxckpt.graph.costs import DEFAULT_COSTS, CostTable
 from fxckpt.options import Options
 from fxckpt.planning import tiers
 from fxckpt.planning.memory import Problem
@@ -26,10 +27,6 @@ from fxckpt.planning.problem import StorageGroup
 from fxckpt.runtime.pool import size_class
 from fxckpt.runtime.slabs import carving_fits, whole_pages
 from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
-
-# cost_model="unit" plans without measuring anything: the disk is taken as 10x slower than
-# the unit model's host link (1 MB per unit step).
-UNIT_DISK_BYTES_PER_MS = 1e5
 
 
 @dataclass
@@ -42,11 +39,12 @@ class HostReport:
     to_disk: int = 0
 
 
-def disk_rates(options: Options) -> tiers.DiskRates | None:
+def disk_rates(options: Options, table: CostTable = DEFAULT_COSTS) -> tiers.DiskRates | None:
     """The disk tier's bandwidth, or None when there is no disk tier.
 
-    ``offload_dir_bandwidth`` when given (both directions); else the unit model's constant;
-    else measured once per directory and process (:func:`fxckpt._files.measure_bandwidth`).
+    ``offload_dir_bandwidth`` when given (both directions); else, under ``cost_model="unit"``,
+    ``table``'s :attr:`~fxckpt.graph.costs.CostTable.unit_disk_bytes_per_ms`; else measured
+    once per directory and process (:func:`fxckpt._files.measure_bandwidth`).
     """
     if options.offload_dir is None and options.offload_dir_bandwidth is None:
         return None
@@ -54,7 +52,7 @@ def disk_rates(options: Options) -> tiers.DiskRates | None:
         rate = options.offload_dir_bandwidth / 1e3
         return tiers.DiskRates(rate, rate)
     if options.cost_model == "unit":
-        return tiers.DiskRates(UNIT_DISK_BYTES_PER_MS, UNIT_DISK_BYTES_PER_MS)
+        return tiers.DiskRates(table.unit_disk_bytes_per_ms, table.unit_disk_bytes_per_ms)
     assert options.offload_dir is not None
     return tiers.DiskRates(*_files.measure_bandwidth(options.offload_dir))
 

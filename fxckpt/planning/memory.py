@@ -59,7 +59,11 @@ from typing import Literal
 Prefetch = Literal["auto", "jit"]
 CHOICES: tuple[str, ...] = ("keep", "recompute", "offload")
 # Price of an offload beyond its exposed time, so that an offload that costs nothing is
-# still not taken when keeping fits: 1 GiB adds about 0.001 ms.
+# still not taken when keeping fits: 1 GiB adds about 0.001 ms. Not a cost-model figure (so
+# not in graph.costs.CostTable): it estimates nothing about any machine, the plan does not
+# record it among its assumptions, and no measurement or option replaces it. It is part of
+# the solver's objective, a tie-break between plans of equal time, shared by this simulator
+# and its incremental twin (planning/incremental.py); change it and plans change everywhere.
 OFFLOAD_PRICE_MS_PER_BYTE = 1e-12
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +12,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxckpt.graph import costs
 from fxckpt.graph.costs import (
-    DEFAULT_CPU_BYTES_PER_MS,
-    DEFAULT_CPU_FLOPS_PER_MS,
-    DEFAULT_CUDA_FLOPS_PER_MS,
+    DEFAULT_COSTS,
+    CostTable,
+    DeviceCosts,
+    device_rates,
     flops_to_ms,
     is_random,
     is_view_like,
@@ -103,13 +106,116 @@ def test_unit_model_is_deterministic():
 
 def test_flops_model_and_profile_falls_back_on_cpu():
     mm = traced()["aten.mm.default"]
-    compute = 2 * 64 * 128 * 32 / DEFAULT_CPU_FLOPS_PER_MS
-    traffic = (64 * 128 + 128 * 32 + 64 * 32) * 4 / DEFAULT_CPU_BYTES_PER_MS
+    compute = 2 * 64 * 128 * 32 / 1e8  # the default CPU rates: 1e8 FLOPs and 1e7 bytes per ms
+    traffic = (64 * 128 + 128 * 32 + 64 * 32) * 4 / 1e7
     want = max(compute, traffic)
     assert node_cost_ms(mm, "flops", "cpu") == pytest.approx(want)
     assert node_cost_ms(mm, "profile", "cpu") == pytest.approx(want)
-    assert flops_to_ms(1e11, "cuda:0") == pytest.approx(1e11 / DEFAULT_CUDA_FLOPS_PER_MS)
+    assert flops_to_ms(1e11, "cuda:0") == pytest.approx(1.0)  # 1e11 FLOPs per ms on a GPU
     assert flops_to_ms(1e8, torch.device("cpu")) == pytest.approx(1.0)
+
+
+# Every figure different from the default's and from each other's, so that a function that
+# reads the wrong row, the wrong field or the default table instead of this one gets caught.
+OTHER = CostTable(
+    cpu=DeviceCosts(flops_per_ms=4e8, bytes_per_ms=3e7, copy_overhead_ms=7.0),
+    cuda=DeviceCosts(flops_per_ms=5e10, bytes_per_ms=6e8, copy_overhead_ms=3.0),
+    pcie_bytes_per_ms=9e6,
+    copy_margin=0.25,
+    unit_bytes_per_ms=2e6,
+    unit_disk_bytes_per_ms=3e5,
+)
+
+
+def test_the_default_table_holds_the_figures_the_plans_were_made_with():
+    # Plans (tests/fixtures/golden_plans) depend on these numbers: changing one is a
+    # behaviour change, to be made here on purpose and in the docs.
+    assert DEFAULT_COSTS == CostTable()
+    assert DEFAULT_COSTS.cpu == DeviceCosts(flops_per_ms=1e8, bytes_per_ms=1e7, copy_overhead_ms=0.5)
+    assert DEFAULT_COSTS.cuda == DeviceCosts(flops_per_ms=1e11, bytes_per_ms=2e9, copy_overhead_ms=0.1)
+    assert (DEFAULT_COSTS.pcie_bytes_per_ms, DEFAULT_COSTS.copy_margin) == (2.5e7, 0.5)
+    assert (DEFAULT_COSTS.unit_bytes_per_ms, DEFAULT_COSTS.unit_disk_bytes_per_ms) == (1e6, 1e5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_COSTS.copy_margin = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_COSTS.cpu.copy_overhead_ms = 1.0  # type: ignore[misc]
+
+
+def test_the_cost_model_has_no_mutable_module_state_to_patch():
+    # Figures come in through a table; none sits in a module-level dict, list or set.
+    mutable = [name for name, value in vars(costs).items()
+               if not name.startswith("__") and isinstance(value, (dict, list, set, bytearray))]
+    assert mutable == []
+
+
+def test_every_field_says_what_it_is():
+    # Each field carries a docstring (units, where the number comes from) in the source.
+    import ast
+    import inspect
+
+    for cls in (CostTable, DeviceCosts):
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        documented = {
+            stmt.target.id for stmt, nxt in zip(body, body[1:], strict=False)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str) and nxt.value.value.strip()
+        }
+        assert documented == {f.name for f in dataclasses.fields(cls)}, cls
+
+
+@pytest.mark.parametrize(("device", "row"), [
+    ("cpu", "cpu"), (torch.device("cpu"), "cpu"), ("cuda", "cuda"), ("cuda:0", "cuda"),
+    (torch.device("cuda", 1), "cuda"), ("meta", "cuda"), (torch.device("meta"), "cuda"),
+])  # fmt: skip
+def test_each_device_kind_picks_its_row(device, row):
+    # Offline plans (meta) are made for a GPU that is not here: they price a GPU's row.
+    want = getattr(OTHER, row)
+    assert OTHER.row(device) is want
+    assert device_rates(device, OTHER) == costs.Rates(want.flops_per_ms, want.bytes_per_ms)
+    assert costs.copy_overhead_ms(device, "flops", OTHER) == want.copy_overhead_ms
+    assert costs.copy_overhead_ms(device, "profile", OTHER) == want.copy_overhead_ms
+    assert costs.copy_overhead_ms(device, "unit", OTHER) == 0.0  # unit plans stay deterministic
+    assert flops_to_ms(want.flops_per_ms * 3, device, table=OTHER) == pytest.approx(3.0)
+
+
+def test_a_table_passed_in_prices_nodes():
+    mm = traced()["aten.mm.default"]
+    compute = 2 * 64 * 128 * 32 / OTHER.cpu.flops_per_ms
+    traffic = (64 * 128 + 128 * 32 + 64 * 32) * 4 / OTHER.cpu.bytes_per_ms
+    assert node_cost_ms(mm, "flops", "cpu", table=OTHER) == pytest.approx(max(compute, traffic))
+    assert node_cost_ms(mm, "flops", "cpu", table=OTHER) != node_cost_ms(mm, "flops", "cpu")
+    assert node_cost_ms(mm, "unit", "cpu", table=OTHER) == 1.0  # no figure in the unit model
+    slower = dataclasses.replace(OTHER, cpu=dataclasses.replace(OTHER.cpu, flops_per_ms=1e3))
+    assert node_cost_ms(mm, "flops", "cpu", table=slower) == pytest.approx(2 * 64 * 128 * 32 / 1e3)
+
+
+def test_offline_probe_reads_the_table():
+    assert measure_bandwidth("meta") == 2.5e7  # the default table's host link
+    assert measure_bandwidth("meta", OTHER) == OTHER.pcie_bytes_per_ms
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _figure(x: float) -> str:
+    return f"{x:g}"
+
+
+def test_the_docs_quote_the_default_table():
+    # The defaults are quoted in prose; change one here and the docs must follow.
+    t = DEFAULT_COSTS
+    options = " ".join((DOCS / "options.md").read_text().split())
+    assert f"{_figure(t.cpu.copy_overhead_ms)} ms for the CPU engine" in options
+    assert f"{_figure(t.cuda.copy_overhead_ms)} ms for CUDA" in options
+    assert "DEFAULT_COSTS.cpu.copy_overhead_ms" in options
+    how = " ".join((DOCS / "how-it-works.md").read_text().split())
+    assert f"(`CostTable.copy_margin`, {_figure(t.copy_margin * 100)} %)" in how
+    assert f"if they took {_figure(1 + t.copy_margin)} times that" in how
+    cli = " ".join((DOCS / "cli.md").read_text().split())
+    assert f"a fixed host link of {_figure(t.pcie_bytes_per_ms * 1e3 / 1e9)} GB/s" in cli
+    assert (f"about {_figure(t.cuda.flops_per_ms * 1e3 / 1e12)} TFLOP/s and "
+            f"{_figure(t.cuda.bytes_per_ms * 1e3 / 1e12)} TB/s of device memory") in cli
 
 
 def test_view_and_random_helpers():
@@ -182,16 +288,19 @@ def test_measure_bandwidth_cuda():
     assert node_cost_ms(mm, "profile", "cuda") > 0
 
 
-def test_copy_overhead_is_a_per_engine_figure_and_zero_for_unit_costs(monkeypatch):
-    from fxckpt.graph import costs
-
+def test_copy_overhead_is_a_per_engine_figure_and_zero_for_unit_costs():
     assert costs.copy_overhead_ms("cpu", "unit") == 0.0
-    assert costs.copy_overhead_ms("cpu", "flops") == costs.COPY_OVERHEAD_MS["cpu"] > 0
+    assert costs.copy_overhead_ms("cpu", "flops") == 0.5  # the CPU engine's, measured
     # Offline plans (meta) and CUDA price a GPU's engine.
     assert costs.copy_overhead_ms("meta", "flops") == costs.copy_overhead_ms("cuda:0", "profile")
-    assert costs.copy_overhead_ms(torch.device("cuda", 1), "flops") == costs.COPY_OVERHEAD_MS["cuda"]
-    monkeypatch.setitem(costs.COPY_OVERHEAD_MS, "cpu", 7.0)  # overridable, e.g. from a probe
-    assert costs.copy_overhead_ms(torch.device("cpu"), "flops") == 7.0
+    assert costs.copy_overhead_ms(torch.device("cuda", 1), "flops") == 0.1
+    # Another figure comes in through a table (a probe's, say), not by editing a global.
+    mine = dataclasses.replace(DEFAULT_COSTS, cpu=dataclasses.replace(DEFAULT_COSTS.cpu,
+                                                                      copy_overhead_ms=7.0))
+    assert costs.copy_overhead_ms(torch.device("cpu"), "flops", mine) == 7.0
+    assert costs.copy_overhead_ms("cuda:0", "flops", mine) == 0.1
+    assert costs.copy_overhead_ms("cpu", "unit", mine) == 0.0
+    assert costs.copy_overhead_ms("cpu", "flops") == 0.5  # the default table is untouched
 
 
 def _on(val: object, device: str) -> object:

@@ -20,7 +20,7 @@ STEP_MS = [0.0, 0.5, 1.0, 2.0, 3.0]
 BYTES = [0, 100, 200, 300, 500, 800]
 RECOMPUTE_MS = [math.inf, 0.0, 0.5, 1.0, 2.0, 4.0]
 BANDWIDTH = [25.0, 100.0, 400.0, math.inf]  # bytes per ms: 100 B copies take 4 ms .. 0 ms
-COPY_OVERHEAD_MS = [0.0, 0.0, 0.3, 2.0]  # per offloaded tensor
+OVERHEADS_MS = [0.0, 0.0, 0.3, 2.0]  # per offloaded tensor
 LINK_OVERHEAD_MS = [0.0, 0.0, 0.5, 3.0]  # per copy, on its queue
 
 
@@ -44,7 +44,7 @@ def problems(draw, max_n: int = 8, max_half: int = 10) -> Problem:
         for col, v in zip(cols, row, strict=True):
             col.append(v)
     fixed = draw(st.none() | st.lists(st.sampled_from([0, 100, 300]), min_size=T, max_size=T))
-    overhead = draw(st.sampled_from(COPY_OVERHEAD_MS))
+    overhead = draw(st.sampled_from(OVERHEADS_MS))
     # Copy buckets: candidates sharing an id copy together (None: each alone).
     n = len(cols[0])
     buckets = draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
