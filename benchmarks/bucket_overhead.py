@@ -2,6 +2,9 @@
 
     python -m benchmarks.bucket_overhead [--device cuda] [--compiler inductor] [--json PATH]
 
+``--smoke`` runs one tiny case instead (2 blocks, one round of one step), in seconds: it
+checks that the script runs end to end, and its figures mean nothing.
+
 A small decoder (8 blocks, d=64) whose saved tensors are all offloaded (``offload="all"``),
 so that a step is mostly the runtime's fixed costs: op calls, events and hand-offs to the copy
 engine. Three methods, in rotated rounds (each round in another order), on one process:
@@ -29,9 +32,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.methods import GPT_SMALL, Decoder, make_batch
+from benchmarks.methods import GPT_SMALL, Decoder, DecoderConfig, make_batch
 
 CONFIG = replace(GPT_SMALL, name="gpt-tiny", vocab=256, d=64, heads=4, layers=8, ffn=256)
+SMOKE = replace(CONFIG, name="gpt-tiny-smoke", layers=2)  # --smoke
 METHODS: dict[str, dict[str, Any]] = {
     "keep": {"offload": "never"},
     "alone": {"offload": "all", "coalesce": "never"},
@@ -58,17 +62,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stepper(options: dict[str, Any], device: torch.device, compiler: str, batch: int, seq: int
-             ) -> Callable[[], None]:
+def _stepper(options: dict[str, Any], device: torch.device, compiler: str, batch: int, seq: int,
+             cfg: DecoderConfig = CONFIG) -> Callable[[], None]:
     import fxckpt  # noqa: F401  (registers the backend)
 
     torch.manual_seed(0)
-    model = Decoder(CONFIG).to(device)
+    model = Decoder(cfg).to(device)
     # backend="fxckpt" with options, as benchmarks.methods compiles: dynamo keeps one
     # compiled frame per backend and options, so the three models never share a graph.
     compiled = torch.compile(model, backend="fxckpt", dynamic=False,
                              options={"compiler": compiler, "min_offload_bytes": 0, **options})
-    idx, tgt = make_batch(CONFIG, batch, seq, device)
+    idx, tgt = make_batch(cfg, batch, seq, device)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -78,13 +82,15 @@ def _stepper(options: dict[str, Any], device: torch.device, compiler: str, batch
 
 
 def measure(device: torch.device, compiler: str = "eager", *, batch: int = 2, seq: int = 64,
-            rounds: int = 5, steps: int = 20) -> dict[str, dict[str, Any]]:
+            rounds: int = 5, steps: int = 20, cfg: DecoderConfig = CONFIG
+            ) -> dict[str, dict[str, Any]]:
     """Per method: ops, offload calls and hand-offs per step, and per-step ms (wall and the
     compute thread's CPU time), with their overhead over ``keep``."""
     import fxckpt
 
     torch._dynamo.config.recompile_limit = 1024
-    steppers = {name: _stepper(opts, device, compiler, batch, seq) for name, opts in METHODS.items()}
+    steppers = {name: _stepper(opts, device, compiler, batch, seq, cfg)
+                for name, opts in METHODS.items()}
     out: dict[str, dict[str, Any]] = {}
     for name, step in steppers.items():
         for _ in range(3):  # compile, threads, pool buffers
@@ -134,14 +140,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--compiler", choices=("eager", "inductor"), default="eager")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: 2 blocks instead of 8, "
+                   "1 round of 1 step (seconds; the figures mean nothing)")
+    p.add_argument("--rounds", type=int, help="default 5")
+    p.add_argument("--steps", type=int, help="timed steps per method and round (default 20)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = p.parse_args(argv)
+    cfg = SMOKE if args.smoke else CONFIG
+    args.rounds = args.rounds or (1 if args.smoke else 5)
+    args.steps = args.steps or (1 if args.smoke else 20)
     torch.set_num_threads(args.threads)
-    rows = measure(torch.device(args.device), args.compiler, rounds=args.rounds, steps=args.steps)
-    print(f"{CONFIG.describe()}, batch 2, seq 64, {args.compiler}, {args.rounds} rotated rounds "
+    rows = measure(torch.device(args.device), args.compiler, rounds=args.rounds, steps=args.steps,
+                   cfg=cfg)
+    print(f"{cfg.describe()}, batch 2, seq 64, {args.compiler}, {args.rounds} rotated rounds "
           f"of {args.steps} steps")
     print(table(rows))
     if args.json:

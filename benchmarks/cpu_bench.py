@@ -2,6 +2,9 @@
 
     python -m benchmarks.cpu_bench --quick --json docs/benchmarks/cpu_quick.json
 
+``--smoke`` runs one tiny case instead (a 2-block decoder, one sequence length, 2 rounds), in
+seconds: it checks that the script runs end to end, and its figures mean nothing.
+
 Each method is a row (``benchmarks/methods.py``): eager, full_checkpoint, save_on_cpu, compiled
 (plain torch.compile), torch_offload, torch_budget and several fxckpt settings, one of them
 with ``memory_budget`` set to full_checkpoint's measured bytes. Per sequence length every
@@ -49,6 +52,7 @@ from benchmarks.methods import (
     BUDGET_SOURCES,
     GPT_QUICK,
     GPT_SMALL,
+    GPT_SMOKE,
     Decoder,
     DecoderConfig,
     MethodSpec,
@@ -421,6 +425,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true",
                    help="the small configuration: under 5 minutes on 2 cores")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-block d=32 decoder, "
+                   "seq 32, batch 1, 2 rounds (seconds; its figures mean nothing)")
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's facts here")
     p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default by mode)")
     p.add_argument("--batch", type=int, help="batch size (default by mode)")
@@ -437,15 +444,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", help="only these rows (eager is always run)")
     p.add_argument("--docs", action="store_true",
                    help="also regenerate docs/benchmarks.md's CPU table and plot from this run")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke and args.docs:
+        p.error("--smoke's figures mean nothing: not for --docs")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = GPT_QUICK if args.quick else GPT_SMALL
-    seqs = args.seqs or ([256, 512] if args.quick else [256, 512, 1024])
-    batch = args.batch or (2 if args.quick else 4)
-    repeats = args.repeats or 5
+    cfg = GPT_SMOKE if args.smoke else GPT_QUICK if args.quick else GPT_SMALL
+    seqs = args.seqs or ([32] if args.smoke else [256, 512] if args.quick else [256, 512, 1024])
+    batch = args.batch or (1 if args.smoke else 2 if args.quick else 4)
+    repeats = args.repeats or (2 if args.smoke else 5)
     torch.set_num_threads(args.threads)
     # Every method and sequence length compiles the same forward again; keep dynamo from
     # falling back to eager after its default 8 recompiles.
@@ -453,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch._dynamo.config.accumulated_recompile_limit = 1 << 16
     specs = list(BASELINE_SPECS) + list(default_fxckpt_specs(args.min_offload_bytes))
     if args.methods:
+        unknown = sorted(set(args.methods) - {s.name for s in specs})
+        if unknown:
+            raise SystemExit(f"--methods {' '.join(unknown)}: not a method here; choose from "
+                             f"{', '.join(sorted(s.name for s in specs))}")
         keep = set(args.methods) | {"eager"}
         if any(s.name == "fxckpt_at_full_ckpt" for s in specs if s.name in keep):
             keep.add("full_checkpoint")

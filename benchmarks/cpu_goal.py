@@ -2,6 +2,9 @@
 
     python -m benchmarks.cpu_goal --json docs/benchmarks/cpu_goal.json --docs
 
+``--smoke`` runs one tiny case instead (a 2-block decoder, batch 1 x seq 32, 2 rounds), in
+seconds: it checks that the script runs end to end, and its figures mean nothing.
+
 On the CPU benchmark's decoder (d=256, 8 blocks, 4 x 512 tokens, fp32), ``memory_budget`` is
 set to the bytes that eager per-block checkpointing (``full_checkpoint``) leaves resident after
 its forward, measured by fxckpt's meter in the same run. Then, side by side, in rotated
@@ -38,6 +41,7 @@ from benchmarks.methods import (
     AT_FULL_CHECKPOINT,
     BASELINE_SPECS,
     GPT_SMALL,
+    GPT_SMOKE,
     MethodSpec,
     fxckpt_spec,
     median,
@@ -146,8 +150,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's facts here")
     p.add_argument("--docs", action="store_true",
                    help="also replace the cpu-goal block of docs/benchmarks.md with this run")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-block d=32 decoder, "
+                   "batch 1 x seq 32, 2 rounds (seconds; the figures mean nothing)")
+    p.add_argument("--seq", type=int, help="default 512")
+    p.add_argument("--batch", type=int, help="default 4")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method")
     p.add_argument("--threads", type=int, default=1,
@@ -159,15 +166,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "--only fxckpt_plan fxckpt_offload_all --repeats 15: a tighter pair")
     p.add_argument("--quick", action="store_true",
                    help="strides 1, 2 and 4 only, and 3 rounds: about half the time")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke and args.docs:
+        p.error("--smoke's figures mean nothing: not for --docs")
+    args.seq = args.seq or (32 if args.smoke else 512)
+    args.batch = args.batch or (1 if args.smoke else 4)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = GPT_SMALL
+    cfg = GPT_SMOKE if args.smoke else GPT_SMALL
     strides = args.strides if args.strides is not None else (
-        [1, 2, 4] if args.quick else list(range(1, cfg.layers + 1)))
-    repeats = 3 if args.quick and args.repeats == 5 else args.repeats
+        [1, 2, 4] if args.quick and not args.smoke else list(range(1, cfg.layers + 1)))
+    repeats = args.repeats
+    if args.repeats == 5 and (args.quick or args.smoke):
+        repeats = 2 if args.smoke else 3
     specs = goal_specs(strides)
     if args.only:
         names = {s.name for s in specs}

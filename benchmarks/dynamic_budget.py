@@ -2,6 +2,9 @@
 
     python -m benchmarks.dynamic_budget --docs
 
+``--smoke`` runs one tiny case instead (a 2-block decoder at 32 and 64 tokens, a 512 KiB
+budget), in seconds: it checks that the script runs end to end, and its figures mean nothing.
+
 A 6-block GPT-style decoder compiled once with ``dynamic=True`` and ``memory_budget="2MiB"``
 trains at 64, 128, 256 and 512 tokens. At each length one warm forward is measured with
 ``fxckpt.measure`` (the allocator's figures, never a plan's): what it leaves on the device for
@@ -20,6 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ MiB = 2**20
 # Small enough that one length's logits (batch x tokens x vocab fp32: 1 MiB at 512 tokens)
 # leave room under the budget.
 GPT6 = DecoderConfig("gpt6", vocab=256, d=64, heads=4, layers=6, ffn=256)
+SMOKE = replace(GPT6, name="gpt6-smoke", layers=2)  # --smoke
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 START, END = "<!-- dynamic-table:start -->", "<!-- dynamic-table:end -->"
 
@@ -72,13 +77,14 @@ def _serving_plan(before: int) -> str:
     return f"{plan.name}: {new}, planned at {at}{bound}"
 
 
-def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str) -> list[dict[str, Any]]:
+def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str,
+        cfg: DecoderConfig = GPT6) -> list[dict[str, Any]]:
     import fxckpt
 
     torch.manual_seed(0)
-    base = Decoder(GPT6)
+    base = Decoder(cfg)
     rows: list[dict[str, Any]] = [{"seq": n} for n in lengths]
-    batches = {n: make_batch(GPT6, batch, n, "cpu") for n in lengths}
+    batches = {n: make_batch(cfg, batch, n, "cpu") for n in lengths}
 
     torch._dynamo.reset()
     plain = torch.compile(base, backend="aot_eager", dynamic=True)
@@ -107,10 +113,11 @@ def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str) -> li
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], command: str, facts: dict[str, Any]) -> str:
+def markdown(rows: Sequence[dict[str, Any]], command: str, facts: dict[str, Any],
+             cfg: DecoderConfig = GPT6) -> str:
     lines = [
         f"Command: `{command}`  ",
-        f"Date: {facts['date']}; torch {facts['torch']}; {GPT6.describe()}, batch "
+        f"Date: {facts['date']}; torch {facts['torch']}; {cfg.describe()}, batch "
         f"{facts['batch']}, `memory_budget=\"{facts['budget']}\"` "
         f"({facts['budget_bytes'] / MiB:.2f} MiB), `min_offload_bytes={facts['min_offload']!r}`, "
         "`compiler=\"eager\"`.",
@@ -152,8 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="A byte budget under dynamic shapes: measured bytes left by a forward at "
         "four lengths (see docs/benchmarks.md).",
     )
-    p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
-    p.add_argument("--budget", default="2MiB")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-block decoder at 32 "
+                   "and 64 tokens, memory_budget 512KiB (seconds; the figures mean nothing)")
+    p.add_argument("--lengths", type=int, nargs="+", help="default 64 128 256 512")
+    p.add_argument("--budget", help="default 2MiB")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--min-offload-bytes", default="0",
                    help="fxckpt's min_offload_bytes (the default option, 1MiB, leaves this "
@@ -161,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     p.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's table")
     args = p.parse_args(argv)
+    if args.smoke and args.docs:
+        p.error("--smoke's figures mean nothing: not for --docs")
+    cfg = SMOKE if args.smoke else GPT6
+    args.lengths = args.lengths or ([32, 64] if args.smoke else [64, 128, 256, 512])
+    args.budget = args.budget or ("512KiB" if args.smoke else "2MiB")
     torch.set_num_threads(1)
     command = "python -m benchmarks.dynamic_budget " + " ".join(sys.argv[1:] if argv is None else argv)
     facts = {
@@ -174,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     mob: int | str = int(args.min_offload_bytes) if args.min_offload_bytes.isdigit() else args.min_offload_bytes
     facts["min_offload"] = mob
-    rows = run(args.lengths, args.budget, args.batch, mob)
-    table = markdown(rows, command, facts)
+    rows = run(args.lengths, args.budget, args.batch, mob, cfg)
+    table = markdown(rows, command, facts, cfg)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "facts": facts, "rows": rows}, indent=1) + "\n")

@@ -2,6 +2,10 @@
 
     python -m benchmarks.gpu_shaped --quick --json docs/benchmarks/gpu_shaped.json --docs
 
+``--smoke`` runs one tiny case instead (a 2-block decoder, batch 1 x seq 32, the quick rows,
+2 rounds and 1 back-to-back pair), in seconds: it checks that the script runs end to end, and
+its figures mean nothing.
+
 On the CPU an offload is a RAM-to-RAM memcpy, ~700x cheaper relative to compute than on a GPU,
 so CPU timings say nothing about offload. Here the CPU engine emulates a host link
 (``fxckpt.emulate_link``) whose bandwidth gives this run's decoder, per block, the
@@ -63,6 +67,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 QUICK = DecoderConfig("qwen3-shaped-quick", vocab=512, d=160, heads=4, kv_heads=2, head_dim=40,
                       layers=6, ffn=448, style="qwen3")
 FULL = replace(QUICK, name="qwen3-shaped", vocab=1024, d=256, head_dim=64, layers=8, ffn=704)
+SMOKE = replace(QUICK, name="qwen3-shaped-smoke", vocab=64, d=32, heads=2, kv_heads=1,
+                head_dim=16, layers=2, ffn=64)  # --smoke
 FREE_LINK = "1TB/s"  # the ablation rows plan as if copies cost nothing
 
 
@@ -290,21 +296,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the rows, goals and facts here")
     p.add_argument("--quick", action="store_true",
                    help="a smaller decoder and fewer rows: under 10 minutes on 2 cores")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-block d=32 decoder, "
+                   "batch 1 x seq 32, the quick rows, 2 rounds, 1 pair (seconds; the figures "
+                   "mean nothing)")
     p.add_argument("--docs", action="store_true",
                    help="also rewrite the gpu-shaped block of docs/benchmarks.md and its plot")
     p.add_argument("--target", default="h200-pcie5", help="the link target (fxckpt.targets)")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, help="default 2")
     p.add_argument("--seq", type=int, help="sequence length (default 256 quick, 512 full)")
     p.add_argument("--repeats", type=int, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--pairs", type=int, default=11,
-                   help="back-to-back pairs per step-time goal, after the rotated rounds")
+    p.add_argument("--pairs", type=int,
+                   help="back-to-back pairs per step-time goal, after the rotated rounds "
+                   "(default 11)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (the other core is left to the copy threads)")
     p.add_argument("--only", nargs="+", metavar="METHOD",
                    help="only these rows (eager, full_checkpoint, save_on_cpu and compiled always "
                         "run: the baseline, the budgets' sources and the goals' references)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke and args.docs:
+        p.error("--smoke's figures mean nothing: not for --docs")
+    args.batch = args.batch or (1 if args.smoke else 2)
+    args.pairs = args.pairs if args.pairs is not None else 1 if args.smoke else 11
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -312,10 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fxckpt.targets import derive
 
     args = parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    seq = args.seq or (256 if args.quick else 512)
-    repeats = args.repeats or 15
-    specs = method_specs(args.quick)
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    seq = args.seq or (32 if args.smoke else 256 if args.quick else 512)
+    repeats = args.repeats or (2 if args.smoke else 15)
+    specs = method_specs(args.quick or args.smoke)
     if args.only:
         names = {s.name for s in specs}
         unknown = sorted(set(args.only) - names)

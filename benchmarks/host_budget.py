@@ -2,6 +2,10 @@
 
     python -m benchmarks.host_budget --json docs/benchmarks/host_budget.json [--dir PATH]
 
+``--smoke`` runs one tiny case instead (a 2-block decoder, batch 1 x seq 32, one round of
+2-step blocks, ``min_offload_bytes=0``), in seconds: it checks that the script runs end to
+end, and its figures mean nothing.
+
 One process, one model (a GPT-style decoder on the CPU), ``offload="all"``, five rows:
 
 1. **baseline**: no host budget. Its host high-water mark is what offload="all" needs.
@@ -38,6 +42,7 @@ import torch
 from benchmarks.methods import Decoder, DecoderConfig, make_batch, median
 
 MODEL = DecoderConfig("gpt-host", vocab=512, d=128, heads=4, layers=8, ffn=512)
+SMOKE = DecoderConfig("gpt-host-smoke", vocab=64, d=32, heads=2, layers=2, ffn=64)  # --smoke
 SHARES = (1.0, 0.5, 0.25)
 
 
@@ -127,19 +132,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_budget",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--dir", help="where the disk tier's files go (default: a new temp folder)")
-    p.add_argument("--block", type=int, default=4, help="steps per block, the first untimed (4)")
-    p.add_argument("--rounds", type=int, default=3, help="blocks per row (default 3)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--min-offload", default="64KiB", help="min_offload_bytes (default 64KiB)")
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-block d=32 decoder, "
+                   "batch 1 x seq 32, 1 round of 2-step blocks, min_offload_bytes 0 (seconds; "
+                   "the figures mean nothing)")
+    p.add_argument("--block", type=int, help="steps per block, the first untimed (4)")
+    p.add_argument("--rounds", type=int, help="blocks per row (default 3)")
+    p.add_argument("--batch", type=int, help="default 4")
+    p.add_argument("--seq", type=int, help="default 256")
+    p.add_argument("--min-offload", help="min_offload_bytes (default 64KiB)")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
+    smoke = args.smoke
+    model_cfg = SMOKE if smoke else MODEL
+    args.block = args.block if args.block is not None else 2 if smoke else 4
+    args.rounds = args.rounds if args.rounds is not None else 1 if smoke else 3
+    args.batch = args.batch or (1 if smoke else 4)
+    args.seq = args.seq or (32 if smoke else 256)
+    args.min_offload = args.min_offload or ("0" if smoke else "64KiB")
     if args.block < 2 or args.rounds < 1:
         p.error("--block must be at least 2 and --rounds at least 1")
 
     torch.manual_seed(0)
-    base = Decoder(MODEL)
-    batches = [make_batch(MODEL, args.batch, args.seq, "cpu", seed=s) for s in range(4)]
+    base = Decoder(model_cfg)
+    batches = [make_batch(model_cfg, args.batch, args.seq, "cpu", seed=s) for s in range(4)]
     common = {"compiler": "eager", "offload": "all", "min_offload_bytes": args.min_offload,
               "cost_model": "flops"}  # fmt: skip
     made = args.dir is None
@@ -166,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(where, ignore_errors=True)
     results = [row.result() for row in rows]
     ref = results[0]
-    print(f"{MODEL.describe()}, batch {args.batch} x seq {args.seq}, offload='all', "
+    print(f"{model_cfg.describe()}, batch {args.batch} x seq {args.seq}, offload='all', "
           f"min_offload_bytes={args.min_offload}; offload_dir on {_fs_type(where)} ({where}); "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
     print(f"offload='all' needs {need / 2**20:.2f} MiB of host memory (baseline high water); "
@@ -185,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{r['disk_read_s_per_step']:.4f}", f"{r['stall_s_per_step']:.4f}",
                           str(r["fallbacks"]), "yes" if same else "NO")))  # fmt: skip
     if args.json:
-        doc = {"model": MODEL.describe(), "batch": args.batch, "seq": args.seq,
+        doc = {"model": model_cfg.describe(), "batch": args.batch, "seq": args.seq,
                "min_offload_bytes": args.min_offload, "offload_dir_fs": _fs_type(where),
                "torch": torch.__version__, "need_bytes": need, "rows": results,
                "block": args.block, "rounds": args.rounds,

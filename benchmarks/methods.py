@@ -60,6 +60,9 @@ class DecoderConfig:
 # The CPU benchmark's decoder (d=256, 8 blocks; quick mode is smaller).
 GPT_SMALL = DecoderConfig("gpt-small", vocab=2048, d=256, heads=4, layers=8, ffn=1024)
 GPT_QUICK = DecoderConfig("gpt-quick", vocab=1024, d=192, heads=4, layers=6, ffn=768)
+# The scripts' --smoke decoder: seconds per run, to check that a script runs end to end
+# (its figures mean nothing at this size).
+GPT_SMOKE = DecoderConfig("gpt-smoke", vocab=64, d=32, heads=2, layers=2, ffn=64)
 # Qwen3-1.7B's shapes (config.json of Qwen/Qwen3-1.7B); gpu_check trims the layer count.
 QWEN3_1_7B = DecoderConfig(
     "qwen3-1.7b", vocab=151936, d=2048, heads=16, kv_heads=8, head_dim=128, layers=28,

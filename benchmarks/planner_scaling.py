@@ -2,6 +2,9 @@
 
     python -m benchmarks.planner_scaling --json docs/benchmarks/planner_scaling.json
 
+``--smoke`` runs one tiny case of each part instead (part 3 left out), in seconds: it checks
+that the script runs end to end, and its figures mean nothing.
+
 1. Real graphs: the GPT-style decoder with 6 to 48 layers is planned offline (``fxckpt.inspect``,
    meta tensors, ``memory_budget=0.3``). The partitioner's own step timings (its
    stages' events, ``fxckpt.passes.pipeline.listening``) give the time of each step; the solver's input, a
@@ -290,20 +293,35 @@ def compile_share(seq: int, batch: int, steps: int = 3, repeats: int = 5) -> dic
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.planner_scaling",
                                 description="Planning time against graph size; greedy vs MILP.")
-    p.add_argument("--layers", type=int, nargs="+", default=[6, 12, 24, 48])
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--smoke", action="store_true",
+                   help="one tiny case to check that the script runs: a 2-layer graph at batch 1 "
+                   "x seq 32, one budget fraction (0.5), one synthetic size (50), a 200-candidate "
+                   "greedy, no compile-time share (seconds; the figures mean nothing)")
+    p.add_argument("--layers", type=int, nargs="+", help="default 6 12 24 48")
+    p.add_argument("--seq", type=int, help="default 512")
+    p.add_argument("--batch", type=int, help="default 4")
     p.add_argument("--budget", type=float, default=0.3,
                    help="memory_budget fraction for the real-graph plans")
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.7, 0.5, 0.3],
-                   help="budgets for greedy vs MILP, as fractions of the all-keep peak")
-    p.add_argument("--big", type=int, default=10_000, help="candidates of the synthetic problem")
+    p.add_argument("--fractions", type=float, nargs="+",
+                   help="budgets for greedy vs MILP, as fractions of the all-keep peak "
+                   "(default 0.7 0.5 0.3)")
+    p.add_argument("--big", type=int, help="candidates of the synthetic problem (default 10000)")
     p.add_argument("--skip-compile", action="store_true", help="skip the compile-time share")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--docs", action="store_true",
                    help="also put this report into docs/benchmarks.md (planner-table block)")
     args = p.parse_args(argv)
+    if args.smoke and args.docs:
+        p.error("--smoke's figures mean nothing: not for --docs")
+    smoke = args.smoke
+    args.layers = args.layers or ([2] if smoke else [6, 12, 24, 48])
+    args.seq = args.seq or (32 if smoke else 512)
+    args.batch = args.batch or (1 if smoke else 4)
+    args.fractions = args.fractions or ([0.5] if smoke else [0.7, 0.5, 0.3])
+    args.big = args.big or (200 if smoke else 10_000)
+    args.skip_compile = args.skip_compile or smoke
+    sizes = (50,) if smoke else (50, 200)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 1024
     from benchmarks.cpu_bench import machine_info
@@ -351,9 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| MILP cost ms | gap |\n|---|---|---|---|---|---|---|---|")
     # Copies at 2.5 GB/s queue behind each other, where the MILP's linear copy model is only a
     # bound; at infinite bandwidth they never queue and the MILP is exact (solve.py).
-    problems += [(f"synthetic n={n}", synthetic(n, 2 * n, seed=n)) for n in (50, 200)]
+    problems += [(f"synthetic n={n}", synthetic(n, 2 * n, seed=n)) for n in sizes]
     problems += [(f"synthetic n={n}, copies never queue",
-                  synthetic(n, 2 * n, seed=n, bandwidth=math.inf)) for n in (50, 200)]
+                  synthetic(n, 2 * n, seed=n, bandwidth=math.inf)) for n in sizes]
     gaps = []
     for label, problem in problems:
         for r in compare(problem, args.fractions, label):

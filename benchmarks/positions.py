@@ -2,6 +2,8 @@
 
     python -m benchmarks.positions --json docs/benchmarks/positions.json
 
+``--smoke`` runs the chain case alone, the smallest: it checks that the script runs end to end.
+
 The plan fixes the position of every offload, join (``offload_done``), prefetch and wait: the
 partitioner hands Inductor forward and backward graphs with each op between two compute
 nodes. Inductor then schedules kernels in an order of its own. This script compiles two
@@ -368,9 +370,12 @@ def summary(graphs: Sequence[Graph]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="only the chain case, the smallest: to check that the script runs")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"torch": torch.__version__}
-    for name, (case, options) in CASES.items():
+    cases = {"chain": CASES["chain"]} if args.smoke else CASES
+    for name, (case, options) in cases.items():
         model, inputs = case()
         graphs = compile_and_read(copy.deepcopy(model), inputs, options)
         joins = joins_table(graphs)
