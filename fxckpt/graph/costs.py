@@ -78,8 +78,9 @@ class CostTable:
 
     pcie_bytes_per_ms: float = 2.5e7
     """The host link an offline plan (meta device) assumes, in bytes per millisecond:
-    ~25 GB/s host<->device, about what a PCIe 4.0 x16 link delivers (a heavily derated
-    Gen5 x16). Nothing is measured offline; the ``bandwidth`` option replaces it."""
+    ~25 GB/s host<->device, about what a PCIe 4.0 x16 link sustains (32 GB/s raw), and half
+    of a Gen5 x16's: an offline plan errs towards a slow link. Nothing is measured offline;
+    the ``bandwidth`` option replaces it."""
 
     copy_margin: float = 0.5
     """The planner places and prices copies as if they took ``1 + copy_margin`` times what
