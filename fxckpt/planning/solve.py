@@ -203,13 +203,39 @@ def greedy_curve(problem: Problem, prefetch: str = "auto") -> GreedyCurve:
 
 
 def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
-    c, n = problem.candidates, len(problem)
+    n = len(problem)
     S, base = problem.prefix_ms(), base_choices(problem)
     tr = IncrementalSim(problem, prefetch, base)
     live = [-1] * (2 * n)  # version of the valid entry of each (candidate, kind), -1: none
     index = _CoverIndex(problem.timeline.num_positions, live)
+    for entry, lo, hi in sorted(_initial_entries(problem, prefetch, S, live)):
+        if lo <= hi:
+            index.push(entry, lo, hi, build=True)
+    steps: list[tuple[int, str]] = []
+    points = [(tr.peak, tr.cost)]
+    while True:
+        tops, t = _worst_peak(tr, index)
+        opts = _step_options(problem, tr, index, live, t)
+        if not opts:
+            break
+        i, choice = _take_step(problem, tr, index, live, tops, opts)
+        steps.append((i, choice))
+        points.append((tr.peak, tr.cost))
+    _close_sequence(problem, prefetch, tr, steps, points)
+    return GreedyCurve(problem, prefetch, steps, points, _frontier(points))
+
+
+# An option of one greedy step: (index entry, node it was popped from, added ms, spans freed).
+_Option = tuple[tuple, int, float, list[tuple[int, int]]]
+
+
+def _initial_entries(problem: Problem, prefetch: str, S: Sequence[float],
+                     live: list[int]) -> list[tuple[tuple, int, int]]:
+    """Every candidate's first entries, ``(entry, lo, hi)``, priced from all-keep; marks them
+    live (version 0)."""
+    c = problem.candidates
     initial: list[tuple[tuple, int, int]] = []
-    for i in range(n):
+    for i in range(len(problem)):
         if c.forced_of(i) is not None or c.bytes[i] <= 0:
             continue
         if math.isfinite(c.recompute_ms[i]):
@@ -221,76 +247,104 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
             key = (exp + problem.offload_fixed_ms(i)) / c.bytes[i]
             initial.append(((key, i, _OFFLOAD, 0), max(c.last_fw_use[i], done) + 1, issue - 1))
             live[2 * i + _OFFLOAD] = 0
-    for entry, lo, hi in sorted(initial):
+    return initial
+
+
+def _repush(index: _CoverIndex, live: list[int], i: int, kind: int, key: float,
+            spans: list[tuple[int, int]]) -> None:
+    """Re-queue candidate ``i``'s ``kind`` entry at ``key`` on ``spans``, as a new version."""
+    v = live[2 * i + kind] = live[2 * i + kind] + 1
+    for lo, hi in spans:
         if lo <= hi:
-            index.push(entry, lo, hi, build=True)
+            index.push((key, i, kind, v), lo, hi)
 
-    def repush(i: int, kind: int, key: float, spans: list[tuple[int, int]]) -> None:
-        v = live[2 * i + kind] = live[2 * i + kind] + 1
-        for lo, hi in spans:
-            if lo <= hi:
-                index.push((key, i, kind, v), lo, hi)
 
-    steps: list[tuple[int, str]] = []
-    points = [(tr.peak, tr.cost)]
-    while True:
-        # On a plateau, work first where the cheapest fix is dearest: the other peak positions
-        # may then come down with it (a cheap item covering one of them would be wasted).
-        tops = [(index.best(t), t) for t in tr.tree.argmaxes(_PLATEAU)]
-        t = min(tops, key=lambda et: (et[0] is not None, -(et[0] or (0.0,))[0], et[1]))[1]
-        opts: list[tuple[tuple, int, float, list[tuple[int, int]]]] = []  # entry, node, ms, frees
-        while len(opts) < _LOOKAHEAD and (got := index.best(t, pop=True)) is not None:
-            e, node = got
-            key, i, kind, _ = e
-            fbu, b = c.first_bw_use[i], c.bytes[i]
-            if kind == _RECOMPUTE and tr.mode[i] == "offload":
-                spans = [(lo, min(hi, fbu - 1)) for lo, hi in tr.res[i] if lo < fbu]
-                if not any(lo <= t <= hi for lo, hi in spans):
-                    repush(i, _RECOMPUTE, key, spans)  # not resident at t any more
-                    continue
-                opts.append((e, node, c.recompute_ms[i] + tr.delta_offload(i, False), spans))
-            elif kind == _OFFLOAD:
-                _, done, _, issue = tr.own(i)
-                spans = [(max(c.last_fw_use[i], done) + 1, issue - 1)]
-                exact = tr.delta_offload(i, True)
-                if not spans[0][0] <= t <= spans[0][1] or exact / b > key * (1 + 1e-9) + 1e-15:
-                    repush(i, _OFFLOAD, exact / b, spans)  # price went up or the gap moved
-                    continue
-                opts.append((e, node, exact, spans))
-            else:
-                opts.append((e, node, c.recompute_ms[i], [(c.last_fw_use[i] + 1, fbu - 1)]))
-        if not opts:
-            break
-        # Of the cheapest-per-byte options, take the one with the least cost per byte of peak
-        # it can remove: freeing bytes below the next level down buys nothing yet. With one
-        # peak position, try each option; on a plateau, cap at the level outside the plateau.
-        peak, ranked, cap = tr.peak, [], 0
-        if 1 < len(tops) < _PLATEAU:  # a cut-off plateau hides no level below
-            for _, u in tops:
-                tr.tree.add(u, u, -_HIDE)
-            cap = peak - tr.peak
-            for _, u in tops:
-                tr.tree.add(u, u, _HIDE)
-        for e, node, dcost, spans in opts:
-            b = c.bytes[e[1]]
-            if len(tops) > 1:
-                useful = min(b, cap)
-            else:
-                for lo, hi in spans:
-                    tr.tree.add(lo, hi, -b)
-                useful = peak - tr.peak
-                for lo, hi in spans:
-                    tr.tree.add(lo, hi, b)
-            ranked.append(((0, dcost / useful) if useful > 0 else (1, 0.0), e))
-            heapq.heappush(index.heaps[node], e)
-        e = min(ranked)[1]
-        i, choice = e[1], "offload" if e[2] == _OFFLOAD else "recompute"
-        tr.set_offload(i) if choice == "offload" else tr.set_recompute(i)
-        live[2 * i + _OFFLOAD] = -1  # no more keep->offload; recompute ends both kinds
-        if choice == "recompute":
-            live[2 * i + _RECOMPUTE] = -1
-        steps.append((i, choice))
-        points.append((tr.peak, tr.cost))
+def _worst_peak(tr: IncrementalSim, index: _CoverIndex
+                ) -> tuple[list[tuple[tuple | None, int]], int]:
+    """The peak positions with their cheapest entries, and the one to work at."""
+    # On a plateau, work first where the cheapest fix is dearest: the other peak positions
+    # may then come down with it (a cheap item covering one of them would be wasted).
+    tops = [(index.best(t), t) for t in tr.tree.argmaxes(_PLATEAU)]
+    t = min(tops, key=lambda et: (et[0] is not None, -(et[0] or (0.0,))[0], et[1]))[1]
+    return tops, t
+
+
+def _step_options(problem: Problem, tr: IncrementalSim, index: _CoverIndex, live: list[int],
+                  t: int) -> list[_Option]:
+    """Up to ``_LOOKAHEAD`` cheapest-per-byte options at ``t``, popped from the index; stale
+    offload prices and moved spans are re-queued instead."""
+    c = problem.candidates
+    opts: list[_Option] = []
+    while len(opts) < _LOOKAHEAD and (got := index.best(t, pop=True)) is not None:
+        e, node = got
+        key, i, kind, _ = e
+        fbu, b = c.first_bw_use[i], c.bytes[i]
+        if kind == _RECOMPUTE and tr.mode[i] == "offload":
+            spans = [(lo, min(hi, fbu - 1)) for lo, hi in tr.res[i] if lo < fbu]
+            if not any(lo <= t <= hi for lo, hi in spans):
+                _repush(index, live, i, _RECOMPUTE, key, spans)  # not resident at t any more
+                continue
+            opts.append((e, node, c.recompute_ms[i] + tr.delta_offload(i, False), spans))
+        elif kind == _OFFLOAD:
+            _, done, _, issue = tr.own(i)
+            spans = [(max(c.last_fw_use[i], done) + 1, issue - 1)]
+            exact = tr.delta_offload(i, True)
+            if not spans[0][0] <= t <= spans[0][1] or exact / b > key * (1 + 1e-9) + 1e-15:
+                # The price went up or the gap moved.
+                _repush(index, live, i, _OFFLOAD, exact / b, spans)
+                continue
+            opts.append((e, node, exact, spans))
+        else:
+            opts.append((e, node, c.recompute_ms[i], [(c.last_fw_use[i] + 1, fbu - 1)]))
+    return opts
+
+
+def _best_option(problem: Problem, tr: IncrementalSim, index: _CoverIndex,
+                 tops: list[tuple[tuple | None, int]], opts: list[_Option]) -> tuple:
+    """The entry of the option with the least cost per byte of peak removed; every option's
+    entry goes back on the node it came from."""
+    c = problem.candidates
+    # Of the cheapest-per-byte options, take the one with the least cost per byte of peak
+    # it can remove: freeing bytes below the next level down buys nothing yet. With one
+    # peak position, try each option; on a plateau, cap at the level outside the plateau.
+    peak, ranked, cap = tr.peak, [], 0
+    if 1 < len(tops) < _PLATEAU:  # a cut-off plateau hides no level below
+        for _, u in tops:
+            tr.tree.add(u, u, -_HIDE)
+        cap = peak - tr.peak
+        for _, u in tops:
+            tr.tree.add(u, u, _HIDE)
+    for e, node, dcost, spans in opts:
+        b = c.bytes[e[1]]
+        if len(tops) > 1:
+            useful = min(b, cap)
+        else:
+            for lo, hi in spans:
+                tr.tree.add(lo, hi, -b)
+            useful = peak - tr.peak
+            for lo, hi in spans:
+                tr.tree.add(lo, hi, b)
+        ranked.append(((0, dcost / useful) if useful > 0 else (1, 0.0), e))
+        heapq.heappush(index.heaps[node], e)
+    return min(ranked)[1]
+
+
+def _take_step(problem: Problem, tr: IncrementalSim, index: _CoverIndex, live: list[int],
+               tops: list[tuple[tuple | None, int]], opts: list[_Option]) -> tuple[int, str]:
+    """Apply the best of ``opts``: ``(candidate, its new choice)``."""
+    e = _best_option(problem, tr, index, tops, opts)
+    i, choice = e[1], "offload" if e[2] == _OFFLOAD else "recompute"
+    tr.set_offload(i) if choice == "offload" else tr.set_recompute(i)
+    live[2 * i + _OFFLOAD] = -1  # no more keep->offload; recompute ends both kinds
+    if choice == "recompute":
+        live[2 * i + _RECOMPUTE] = -1
+    return i, choice
+
+
+def _close_sequence(problem: Problem, prefetch: str, tr: IncrementalSim,
+                    steps: list[tuple[int, str]], points: list[tuple[int, float]]) -> None:
+    """Append the closing steps and their points to ``steps`` and ``points``."""
+    c, n = problem.candidates, len(problem)
     # Close the sequence with every candidate in its lowest-residency mode: where the steps
     # above stalled (no single eviction lowered the peak), that plan can still sit lower, and
     # the frontier then offers it. Each of these steps is an eviction too, so sets stay nested.
@@ -313,7 +367,6 @@ def _greedy_curve(problem: Problem, prefetch: str) -> GreedyCurve:
             points.append((points[-1][0], math.inf))
         points.append((sim.peak, sim.cost_ms))
         steps.extend(closing)
-    return GreedyCurve(problem, prefetch, steps, points, _frontier(points))
 
 
 def _frontier(points: list[tuple[int, float]]) -> list[int]:
