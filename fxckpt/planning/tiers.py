@@ -100,6 +100,25 @@ def assign(
         fits = lambda classes, staging: sum(classes) + staging <= budget  # noqa: E731
     if fits([it.host_bytes for it in items], 0):
         return tiers
+    host, largest, moved = _move_out(items, tiers, host, budget, disk, allow_recompute,
+                                     staging_slots, fits)
+    slots = (staging_slots if staging_slots * largest <= budget else 1) if largest else 0
+    staging = slots * largest
+    held = (f"host_budget {format_bytes(budget)} holds {format_bytes(host)} of host-tier offloads"
+            + (f" and {format_bytes(staging)} of disk staging" if staging else ""))  # fmt: skip
+    _explain(items, tiers, moved, held, disk, allow_recompute)
+    return tiers
+
+
+def _move_out(
+    items: Sequence[Item], tiers: list[TierChoice], host: int, budget: int,
+    disk: DiskRates | None, allow_recompute: bool, staging_slots: int,
+    fits: Callable[[list[int], int], bool],
+) -> tuple[int, int, list[tuple[int, str]]]:
+    """Move items out of host memory (to disk in ``tiers``, or onto the returned list with why
+    they could not go there) until the rest fit: ``(host bytes left, largest staging buffer,
+    moved)``."""
+    n = len(items)
     in_host = [True] * n
     if disk is not None:
         order: Sequence[int] = range(n)
@@ -131,10 +150,12 @@ def assign(
         else:
             why = "there is no disk tier (offload_dir)"
         moved.append((i, why))
-    slots = (staging_slots if staging_slots * largest <= budget else 1) if largest else 0
-    staging = slots * largest
-    held = (f"host_budget {format_bytes(budget)} holds {format_bytes(host)} of host-tier offloads"
-            + (f" and {format_bytes(staging)} of disk staging" if staging else ""))  # fmt: skip
+    return host, largest, moved
+
+
+def _explain(items: Sequence[Item], tiers: list[TierChoice], moved: list[tuple[int, str]],
+             held: str, disk: DiskRates | None, allow_recompute: bool) -> None:
+    """The reasons of the items that left host memory: disk, recompute or keep."""
     for i, it in enumerate(items):
         if tiers[i].kind != "disk":
             continue
@@ -153,7 +174,6 @@ def assign(
                                          f"{it.recompute_ms:.3f} ms")  # fmt: skip
         else:
             tiers[i] = TierChoice("keep", f"keep: {held}, {why}, and it cannot be recomputed here")
-    return tiers
 
 
 def staging_bytes(items: Sequence[Item], tiers: Sequence[TierChoice], host_budget: int | None,
