@@ -221,11 +221,21 @@ def _insert_one(g: _Graphs, p: Placement) -> None:
 
 
 def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
-    fw, bw = g.fw, g.bw
     srcs = [g.fw_nodes[n] for n in p.names]
     vals = [s.meta["val"] for s in srcs]
     source = ",".join(p.names)
     shared = shared_storages(vals)
+    handle = _insert_bucket_offload(g, p, srcs, vals, source, shared)
+    phs = [g.bw_nodes[n] for n in p.names]
+    restored, part_of, parts = _insert_bucket_restore(g, p, handle, phs, vals, source, shared)
+    _replace_bucket_members(g, restored, phs, vals, part_of, parts, shared)
+
+
+def _insert_bucket_offload(g: _Graphs, p: BucketPlacement, srcs: list[fx.Node],
+                           vals: list[torch.Tensor], source: str,
+                           shared: SharedStorages | None) -> fx.Node:
+    """The forward's side of a bucket: one offload, its join, and the saved slot: the handle."""
+    fw = g.fw
     start = dict(g.start)
     if shared is not None:
         start.update(groups=shared.groups, offsets=shared.offsets, strides=shared.strides)
@@ -245,8 +255,16 @@ def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
     g.outputs[slots[0]] = handle
     for k in slots[1:]:
         g.outputs[k] = None
+    return handle
 
-    phs = [g.bw_nodes[n] for n in p.names]
+
+def _insert_bucket_restore(
+    g: _Graphs, p: BucketPlacement, handle: fx.Node, phs: list[fx.Node],
+    vals: list[torch.Tensor], source: str, shared: SharedStorages | None,
+) -> tuple[fx.Node, list[int], list[torch.Tensor]]:
+    """The backward's side of a bucket: its placeholder, prefetch and wait. Returns the wait,
+    each member's part and the parts it restores."""
+    bw = g.bw
     first_ph = min(phs, key=g.bw_at.__getitem__)
     with bw.graph.inserting_before(first_ph):
         new_ph = bw.graph.placeholder(handle.name)
@@ -273,6 +291,16 @@ def _insert_bucket(g: _Graphs, p: BucketPlacement) -> None:
             WAIT_MANY, (new_ph, pre, sizes, strides, ranks, vals[0].dtype, vals[0].device)
         )
     restored.meta.update({"val": list(parts), meta.ROLE: meta.ROLE_WAIT, meta.SOURCE: source})
+    return restored, part_of, parts
+
+
+def _replace_bucket_members(
+    g: _Graphs, restored: fx.Node, phs: list[fx.Node], vals: list[torch.Tensor],
+    part_of: list[int], parts: list[torch.Tensor], shared: SharedStorages | None,
+) -> None:
+    """Each member's placeholder gives way to its part of the wait (a view of it, where the
+    part is a shared storage's stretch)."""
+    bw = g.bw
     anchor = restored
     items: dict[int, fx.Node] = {}
     for k, ph in enumerate(phs):
