@@ -8,7 +8,7 @@ a plan without one gets the bytes kept, offloaded and recomputed per block inste
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -89,6 +89,32 @@ def _axes(top: float, x_label: str, y_label: str) -> list[str]:
     return parts
 
 
+def _timeline_marks(x: Callable[[float], float], y: Callable[[float], float], n: int,
+                    fwd_end: int, min_cut_peak: int, budget: Any) -> list[str]:
+    """The timeline's marks: the end of the forward, plain min-cut's peak and the budget."""
+    parts: list[str] = []
+    if 0 < fwd_end < n:
+        fx = x(fwd_end)
+        parts.append(f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{TOP}" y2="{H - BOTTOM}" '
+                     'stroke="#5f6368" stroke-dasharray="2 3"/>'
+                     f'<text x="{fx - 6:.1f}" y="{TOP - 8}" text-anchor="end">forward</text>'
+                     f'<text x="{fx + 6:.1f}" y="{TOP - 8}">backward</text>')  # fmt: skip
+    if min_cut_peak:
+        my = y(min_cut_peak)
+        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{my:.1f}" y2="{my:.1f}" '
+                     f'stroke="{COLORS["baseline"]}" stroke-width="1.5" stroke-dasharray="2 3"/>'
+                     f'<text x="{LEFT + 6}" y="{my - 5:.1f}">plain min-cut peak '
+                     f"{escape(human_bytes(min_cut_peak))}</text>")  # fmt: skip
+    if budget:
+        by = y(int(budget))
+        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{by:.1f}" y2="{by:.1f}" '
+                     f'stroke="{COLORS["budget"]}" stroke-width="1.5" stroke-dasharray="6 4"/>'
+                     f'<text x="{W - RIGHT - 4}" y="{by - 5:.1f}" text-anchor="end" '
+                     f'style="fill:{COLORS["budget"]}">budget {escape(human_bytes(int(budget)))}'
+                     "</text>")  # fmt: skip
+    return parts
+
+
 def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0) -> str:
     """Resident saved bytes over the step: baseline (grey area), plan (blue), budget (red).
 
@@ -131,25 +157,7 @@ def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0)
         parts.append(f'<polyline points="{path(plan)}" fill="none" stroke="{COLORS["plan"]}" '
                      f'stroke-width="2"><title>fxckpt plan, peak {escape(human_bytes(max(plan)))}'
                      "</title></polyline>")  # fmt: skip
-    if 0 < fwd_end < n:
-        fx = x(fwd_end)
-        parts.append(f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{TOP}" y2="{H - BOTTOM}" '
-                     'stroke="#5f6368" stroke-dasharray="2 3"/>'
-                     f'<text x="{fx - 6:.1f}" y="{TOP - 8}" text-anchor="end">forward</text>'
-                     f'<text x="{fx + 6:.1f}" y="{TOP - 8}">backward</text>')  # fmt: skip
-    if min_cut_peak:
-        my = y(min_cut_peak)
-        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{my:.1f}" y2="{my:.1f}" '
-                     f'stroke="{COLORS["baseline"]}" stroke-width="1.5" stroke-dasharray="2 3"/>'
-                     f'<text x="{LEFT + 6}" y="{my - 5:.1f}">plain min-cut peak '
-                     f"{escape(human_bytes(min_cut_peak))}</text>")  # fmt: skip
-    if budget:
-        by = y(int(budget))
-        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{by:.1f}" y2="{by:.1f}" '
-                     f'stroke="{COLORS["budget"]}" stroke-width="1.5" stroke-dasharray="6 4"/>'
-                     f'<text x="{W - RIGHT - 4}" y="{by - 5:.1f}" text-anchor="end" '
-                     f'style="fill:{COLORS["budget"]}">budget {escape(human_bytes(int(budget)))}'
-                     "</text>")  # fmt: skip
+    parts += _timeline_marks(x, y, n, fwd_end, min_cut_peak, budget)
     parts.append("</svg>")
     legend = ('<div class="legend">'
               f'<span><i class="swatch" style="background:{COLORS["baseline"]};opacity:.5"></i>'
