@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -181,6 +181,40 @@ def _fresh_span(rec: Transfer, part: Part) -> torch.Tensor:
     return dev
 
 
+_DIRECTIONS = {"d2h": "device-to-host", "h2d": "host-to-device"}
+
+
+def _copy_job(tensors: list[tuple[torch.Tensor, torch.Tensor]], direction: str, nbytes: int,
+              link: Any, window: Any, meter: Any, delay: float, fail: bool
+              ) -> Callable[[], None]:
+    """A worker's copy of each ``(source, destination)`` pair of ``tensors``, in the link's
+    ``window`` where one is emulated, timed into ``meter``. Each pair is let go of as soon as
+    it has copied; a failed copy lets go of them all."""
+
+    def move() -> None:
+        while tensors:
+            src, dst = tensors.pop()
+            dst.copy_(src)
+            del src, dst
+
+    def copy() -> None:
+        started = time.perf_counter()
+        if delay:
+            time.sleep(delay)
+        if fail:
+            tensors.clear()
+            raise RuntimeError(_injected(_DIRECTIONS[direction]))
+        if link is None or window is None:
+            move()
+            took = time.perf_counter() - started
+        else:
+            took = link.run_window(direction, nbytes, move, *window)
+        stats.add("copy_seconds", took)
+        copy_meter.add_copy(meter, nbytes, took)
+
+    return copy
+
+
 class CpuEngine:
     """Worker threads as copy streams, futures as events.
 
@@ -224,29 +258,7 @@ class CpuEngine:
         window = link.occupy("d2h", nbytes) if link is not None else None
         if window is not None:
             rec.d2h_end = window[1]
-        meter = rec.meter
-
-        def move() -> None:
-            while tensors:
-                src, dst = tensors.pop()
-                dst.copy_(src)
-                del src, dst
-
-        def copy() -> None:
-            started = time.perf_counter()
-            if delay:
-                time.sleep(delay)
-            if fail:
-                tensors.clear()
-                raise RuntimeError(_injected("device-to-host"))
-            if link is None or window is None:
-                move()
-                took = time.perf_counter() - started
-            else:
-                took = link.run_window("d2h", nbytes, move, *window)
-            stats.add("copy_seconds", took)
-            copy_meter.add_copy(meter, nbytes, took)
-
+        copy = _copy_job(tensors, "d2h", nbytes, link, window, rec.meter, delay, fail)
         stats.add("copy_handoffs", 1)
         rec.d2h = self._executors()[0].submit(copy)
 
@@ -260,23 +272,17 @@ class CpuEngine:
     def start_prefetch(self, rec: Transfer) -> None:
         dev = [_fresh_span(rec, part) for part in rec.parts]
         assert rec.host is not None
-        # (device span, host bytes) pairs, let go of after the copy
-        tensors = [(d.view(torch.uint8), h) for d, h in zip(dev, rec.host_views(rec.host),
+        # (host bytes, device span) pairs, let go of after the copy
+        tensors = [(h, d.view(torch.uint8)) for d, h in zip(dev, rec.host_views(rec.host),
                                                              strict=True)]
         offloaded: Future[None] = rec.d2h
         delay, fail = _copy_plan()
-        nbytes = sum(host.numel() for _, host in tensors)
+        nbytes = sum(host.numel() for host, _ in tensors)
         link = _link.current()
         # Queued behind the copies before it on the H2D queue, and not before the bytes have
         # reached the host (the D2H window's end).
         window = link.occupy("h2d", nbytes, rec.d2h_end) if link is not None else None
-        meter = rec.meter
-
-        def move() -> None:
-            while tensors:
-                out, host = tensors.pop()
-                out.copy_(host)
-                del out, host
+        restore = _copy_job(tensors, "h2d", nbytes, link, window, rec.meter, delay, fail)
 
         def copy() -> None:
             # The H2D "stream" waits for the D2H "event", like CudaEngine's wait_event.
@@ -290,19 +296,7 @@ class CpuEngine:
                     f"fxckpt: the device-to-host copy of offloaded {rec.describe()} failed "
                     f"earlier, so it cannot be restored: {err!r}"
                 ) from err
-            started = time.perf_counter()
-            if delay:
-                time.sleep(delay)
-            if fail:
-                tensors.clear()
-                raise RuntimeError(_injected("host-to-device"))
-            if link is None or window is None:
-                move()
-                took = time.perf_counter() - started
-            else:
-                took = link.run_window("h2d", nbytes, move, *window)
-            stats.add("copy_seconds", took)
-            copy_meter.add_copy(meter, nbytes, took)
+            restore()
 
         stats.add("copy_handoffs", 1)
         rec.h2d = self._executors()[1].submit(copy)
