@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,26 @@ class CudaEngine:
         # Slots 0, 2, 4... copy to the host, 1, 3, 5... back: one engine per direction each.
         return _cuda.CUDA.copy_stream(self.device, 2 * (turn % n) + direction)
 
+    def _copy(self, side: Any, rec: Transfer, copies: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              delay: float, fail: bool, direction: str) -> tuple[Any, Any]:
+        """Queue each ``(destination, source)`` copy on ``side`` between two timing events,
+        ``(start, done)``: the offload's and the prefetch's copies alike (a bucket: its copies,
+        then one event for them all). An injected failure copies nothing and is noted in
+        ``rec.error`` (the first one kept: an offload starts with none)."""
+        cuda = _cuda.CUDA
+        start, done = cuda.event(timing=True), cuda.event(timing=True)
+        with cuda.use_stream(side):
+            start.record(side)
+            if delay:
+                cuda.sleep(delay)
+            if fail:
+                rec.error = rec.error or _injected(direction)
+            else:
+                for dst, src in copies:
+                    cuda.copy(dst, src)
+            done.record(side)
+        return start, done
+
     def start_offload(self, rec: Transfer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
                       ) -> None:
         cuda = _cuda.CUDA
@@ -76,17 +96,8 @@ class CudaEngine:
         compute = cuda.current_stream(self.device)
         side = self._stream(_D2H)
         side.wait_stream(compute)  # the source is written by kernels already queued on compute
-        start, done = cuda.event(timing=True), cuda.event(timing=True)
-        with cuda.use_stream(side):
-            start.record(side)
-            if delay:
-                cuda.sleep(delay)
-            if fail:
-                rec.error = _injected("device-to-host")
-            else:
-                for span, host in copies:  # a bucket: its copies, then one event for them all
-                    cuda.copy(host, span)
-            done.record(side)
+        start, done = self._copy(side, rec, ((host, span) for span, host in copies), delay, fail,
+                                 "device-to-host")
         # The source stays referenced (rec.src) until compute has waited on `done`: freeing
         # it earlier would let the allocator hand its block to a kernel while the copy reads.
         rec.d2h = done
@@ -123,17 +134,9 @@ class CudaEngine:
         # not start before compute reaches this point.
         side.wait_stream(compute)
         side.wait_event(rec.d2h)
-        start, done = cuda.event(timing=True), cuda.event(timing=True)
-        with cuda.use_stream(side):
-            start.record(side)
-            if delay:
-                cuda.sleep(delay)
-            if fail:
-                rec.error = rec.error or _injected("host-to-device")
-            else:
-                for dev, host in zip(devs, hosts, strict=True):
-                    cuda.copy(dev.view(torch.uint8), host)
-            done.record(side)
+        start, done = self._copy(side, rec, ((dev.view(torch.uint8), host) for dev, host
+                                             in zip(devs, hosts, strict=True)), delay, fail,
+                                 "host-to-device")
         rec.h2d = done
         rec.dev = devs
         rec.dev_stream = compute
