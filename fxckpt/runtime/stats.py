@@ -186,6 +186,29 @@ def _plan_facts(payload: str) -> _PlanFacts:
     return facts
 
 
+def _figures(facts: _PlanFacts) -> GraphFigures:
+    """The figures of the graph whose plan ``facts`` reads, new ones on its first call (under
+    ``_lock``)."""
+    return _graphs.setdefault(
+        facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
+    )
+
+
+def _first_overrun(facts: _PlanFacts, nbytes: int, warned: set[str]) -> bool:
+    """Whether ``nbytes`` on the device breaks a budget the plan met, and it is the first time
+    for this graph (noted in ``warned``; under ``_lock``). Only where the plan met the budget:
+    a plan that could not (on_infeasible="warn") was already reported at compile time."""
+    over = (
+        facts.budget_bytes is not None
+        and facts.planned_peak_bytes is not None
+        and facts.planned_peak_bytes <= facts.budget_bytes < nbytes
+        and facts.name not in warned
+    )
+    if over:
+        warned.add(facts.name)
+    return over
+
+
 def note_forward(
     payload: str,
     kept_bytes: int,
@@ -203,24 +226,12 @@ def note_forward(
     _pending.offloaded = _pending.fallback = 0
     _pending.note = (payload, kept_bytes, frozenset(kept))
     with _lock:
-        fig = _graphs.setdefault(
-            facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
-        )
+        fig = _figures(facts)
         fig.runs += 1
         fig.planned_kept_bytes = kept_bytes
         fig.offloaded_bytes = offloaded
         fig.fallback_bytes = fallback
-        # Only where the plan met the budget: a plan that could not (on_infeasible="warn")
-        # was already reported at compile time.
-        over = (
-            facts.byte_budget
-            and facts.budget_bytes is not None
-            and facts.planned_peak_bytes is not None
-            and facts.planned_peak_bytes <= facts.budget_bytes < kept_bytes
-            and facts.name not in _warned_overrun
-        )
-        if over:
-            _warned_overrun.add(facts.name)
+        over = facts.byte_budget and _first_overrun(facts, kept_bytes, _warned_overrun)
     if over:
         # Sizes the plan was not made for (a dynamic shape the compile-time guard could not
         # cover) keep more than the budget: say so with the figures instead of running over
@@ -257,19 +268,10 @@ def held_measured(
     Warns once per graph where that breaks a budget the plan met."""
     facts = _plan_facts(payload)
     with _lock:
-        fig = _graphs.setdefault(
-            facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
-        )
+        fig = _figures(facts)
         fig.held_bytes = held_bytes
         kept = fig.planned_kept_bytes
-        over = (
-            facts.budget_bytes is not None
-            and facts.planned_peak_bytes is not None
-            and facts.planned_peak_bytes <= facts.budget_bytes < held_bytes
-            and facts.name not in _warned_held
-        )
-        if over:
-            _warned_held.add(facts.name)
+        over = _first_overrun(facts, held_bytes, _warned_held)
     if over:
         extra = sum(u[0] for u in unplanned)
         warnings.warn(
