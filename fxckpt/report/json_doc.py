@@ -26,10 +26,8 @@ def totals_dict(plans: Sequence[Plan]) -> dict[str, Any]:
     return out
 
 
-def document(
-    plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = ""
-) -> dict[str, Any]:
-    """``{"version", "fxckpt_version", "target", "options", "graphs", "totals"}``."""
+def _header(options: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """The fields every document starts with: its version, fxckpt's, the target and options."""
     from fxckpt import __version__
 
     return {
@@ -37,6 +35,15 @@ def document(
         "fxckpt_version": __version__,
         "target": target,
         "options": dict(options),
+    }
+
+
+def document(
+    plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = ""
+) -> dict[str, Any]:
+    """``{"version", "fxckpt_version", "target", "options", "graphs", "totals"}``."""
+    return {
+        **_header(options, target),
         "graphs": [p.to_dict() for p in plans],
         "totals": totals_dict(plans),
     }
@@ -46,13 +53,8 @@ def sweep_document(
     rows: Sequence[SweepRow], options: Mapping[str, Any], *, target: str = ""
 ) -> dict[str, Any]:
     """``--sweep --format json``: per budget, the totals and a one-line record per graph."""
-    from fxckpt import __version__
-
     return {
-        "version": VERSION,
-        "fxckpt_version": __version__,
-        "target": target,
-        "options": dict(options),
+        **_header(options, target),
         "sweep": [
             {
                 "budget": r.budget,
