@@ -20,14 +20,10 @@ from typing import Any
 import torch
 
 from fxckpt import _cuda
+from fxckpt._files import whole_pages
 
 MIN_SLAB_BYTES = 64 * 2**20
 MAX_SLAB_BYTES = 2**30
-
-
-def whole_pages(nbytes: int) -> int:
-    page = _cuda.PAGE_BYTES
-    return -(-nbytes // page) * page
 
 
 @dataclass(eq=False)
