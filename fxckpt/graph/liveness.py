@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def _tensor_bytes(t: object) -> int:
     import torch
 
-    from fxckpt.graph.sizes import concrete
+    from fxckpt.graph.sizes import concrete, numel_bytes
 
     if not isinstance(t, torch.Tensor):
         return 0
@@ -26,7 +26,7 @@ def _tensor_bytes(t: object) -> int:
     try:
         return concrete(t.untyped_storage().nbytes())
     except Exception:  # sparse storages: the view's own extent
-        return concrete(t.numel()) * t.element_size()
+        return numel_bytes(t)
 
 
 def span_bytes(v: object) -> int:

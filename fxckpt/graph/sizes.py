@@ -56,6 +56,12 @@ def concrete(value: Any, fallback: int = 4096) -> int:
     return int(expr) if expr.is_number else fallback
 
 
+def numel_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s own elements (its view, not the storage behind it), sizes made
+    :func:`concrete`."""
+    return concrete(t.numel()) * t.element_size()
+
+
 def size_symbols(values: Iterable[Any]) -> tuple[Any, set[sympy.Symbol]]:
     """The shape environment and the size symbols of ``values`` (tensors and SymInts)."""
     env, found = None, set()

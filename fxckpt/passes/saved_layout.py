@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from fxckpt._torch_compat import inductor_channels_last_nodes, non_overlapping_and_dense
 from fxckpt.graph.activations import saved_nodes, storage_key, tensor_val
-from fxckpt.graph.sizes import concrete
+from fxckpt.graph.sizes import numel_bytes
 
 aten = torch.ops.aten
 
@@ -113,7 +113,7 @@ def keep_input_layouts(
         ph.replace_all_uses_with(back)
         bw.graph.erase_node(ph)
         names.append(node.name)
-        copied.setdefault(key, concrete(val.numel()) * val.element_size())
+        copied.setdefault(key, numel_bytes(val))
     if not names:
         return KeptLayouts()
     out.args = (tuple(outputs),)
