@@ -1,6 +1,6 @@
 """The package's layers import downwards only: ``graph`` (facts read off FX graphs) ->
 ``planning`` (deciding, and the simulator it decides with) -> ``passes`` (carrying a plan
-out) -> the backend. ``runtime`` imports nothing of the compiler side (tests/test_engine.py)."""
+out) -> the backend. ``runtime`` imports nothing of the compiler side (tests/runtime/test_engine.py)."""
 
 from __future__ import annotations
 

@@ -83,3 +83,17 @@ def test_every_document_a_text_names_is_in_the_repository() -> None:
             if Path(name).name not in known:
                 missing.add(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, sorted(missing)
+
+
+def test_every_source_file_a_text_names_is_in_the_repository() -> None:
+    # Paths such as `planning/problem.py` or `fxckpt/graph/costs.py`, read from the docs and
+    # the code; torch's own files (`torch/...`) and placeholders (`path/to/model.py`) aside.
+    pattern = re.compile(r"(?<![\w./])((?:[\w]+/)+[\w]+\.py)\b")
+    missing = set()
+    for path in _texts():
+        for name in pattern.findall(path.read_text()):
+            if name.startswith(("torch/", "path/")):
+                continue
+            if not any((base / name).exists() for base in (ROOT, PACKAGE, ROOT / "tests")):
+                missing.add(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, sorted(missing)
