@@ -151,3 +151,20 @@ def test_copies_are_planned_with_a_margin_over_the_link() -> None:
     for a in offloads:
         ms = float(re.search(r"copies ([\d.]+) ms", a.decision.reason).group(1))
         assert ms == pytest.approx(2 * a.bytes / 1e9 * 1e3 * 1.5, abs=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("coalesce", ["auto", "never"])
+def test_under_inductor_a_slow_copy_reads_the_buffer_its_join_keeps(coalesce: str) -> None:
+    # A saved view Inductor cannot express over its base (the attention's transposed
+    # reshapes) reached offload and offload_done as two copies of its own: Inductor reused the
+    # one being copied for the next kernel while the slow copy still read it, and the
+    # gradients came out wrong in every fresh compile (passes.offload._one_buffer).
+    from torch._inductor import config
+
+    torch.manual_seed(0)
+    with config.patch(force_disable_caches=True), fxckpt.emulate_link("20MB/s"):
+        assert_step_matches(GPT(n_layers=2, d=32), gpt_inputs(seq=32),
+                            fxckpt.backend(offload="all", min_offload_bytes=0, coalesce=coalesce,
+                                           bandwidth="0.3GB/s"))

@@ -324,3 +324,28 @@ def test_selective_checkpoint_offload_policy_is_honoured() -> None:
     tanh = [r for r in plan.activations if r.op.startswith("tanh")]
     assert [r.decision.reason for r in tanh] == ["offload: the checkpoint policy asks for it"]
     assert fxckpt.stats()["offloaded_bytes"] == fxckpt.stats()["prefetched_bytes"] > 0
+
+
+def test_under_inductor_a_view_source_reaches_its_copy_and_join_as_one_buffer() -> None:
+    # A view of another node's storage gets one clone, which the offload copies and the join
+    # keeps alive; a node that owns its storage, or any node for the eager compiler, is used
+    # as it is.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxckpt.passes.offload import _Graphs, _one_buffer
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.ops.aten.clone.default(torch.ops.aten.transpose.int(x, 0, 1))
+        return t, torch.ops.aten._unsafe_view.default(t, [4, 8])
+
+    fw = make_fx(f, tracing_mode="fake")(torch.randn(8, 4))
+    nodes = {n.target: n for n in fw.graph.nodes if n.op == "call_function"}
+    owner, view = nodes[torch.ops.aten.clone.default], nodes[torch.ops.aten._unsafe_view.default]
+    g = _Graphs(fw, fw, {})
+    assert _one_buffer(g, view, view) is view  # the eager compiler: as it is
+    g.inductor = True
+    assert _one_buffer(g, owner, view) is owner
+    one = _one_buffer(g, view, view)
+    assert one is not view and one.target is torch.ops.aten.clone.default and one.args == (view,)
+    assert tuple(one.meta["val"].shape) == (4, 8)
+    fw.graph.lint()

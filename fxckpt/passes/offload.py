@@ -130,15 +130,19 @@ def insert_offloads(
     bw: fx.GraphModule,
     placements: Sequence[Placement | BucketPlacement],
     profile: str | None = None,
+    inductor: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Offload each placed saved tensor (or bucket of them) of ``fw`` and restore it in ``bw``.
 
     ``profile``: the key of the compile's runtime settings, which each offload op carries
     (``None``, the defaults: left out, so such graphs read as they always did).
+    ``inductor``: Inductor compiles the graphs; a source that is a view reaches the copy and
+    its join through one copy of its own (:func:`_one_buffer`).
     """
     if not placements:
         return fw, bw
     g = _Graphs(fw, bw, {} if profile is None else {"profile": profile})
+    g.inductor = inductor
     for p in placements:
         if isinstance(p, BucketPlacement):
             _insert_bucket(g, p)
@@ -158,6 +162,7 @@ class _Graphs:
     def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, start: dict[str, Any]) -> None:
         self.fw, self.bw = fw, bw
         self.start = start  # keyword arguments of the ops that start a transfer
+        self.inductor = False  # Inductor compiles the graphs (see _one_buffer)
         self.fw_nodes = {n.name: n for n in fw.graph.nodes}
         self.bw_nodes = {n.name: n for n in bw.graph.nodes}
         self.fw_at = {n: i for i, n in enumerate(fw.graph.nodes)}
@@ -185,20 +190,49 @@ class _Graphs:
         return _sizes(self.bw.graph, val.shape, table), _sizes(self.bw.graph, val.stride(), table)
 
 
+def _one_buffer(g: _Graphs, src: fx.Node, after: fx.Node) -> fx.Node:
+    """The node whose value the offload copies and its join keeps alive: ``src``, or under
+    Inductor, where ``src`` is a view of another node's storage, a copy of it.
+
+    Inductor hands a fallback op a view it cannot express over its base's buffer as a fresh
+    copy, one per op (``ExternKernel.realize_input``): the copy and the join then read two
+    buffers, and the one being copied, dead to Inductor after the copy starts, is reused
+    for the next kernel's output while the copy still reads it. One ``clone`` gives both ops
+    the same buffer, which the join then keeps alive. The copy goes after ``after``, where
+    the offload is placed, so the offload follows it.
+    """
+    val = src.meta.get("val")
+    if not g.inductor or src.op != "call_function" or not isinstance(val, torch.Tensor):
+        return src
+    key = storage_key(val)
+    if key is None or not any(isinstance(v := a.meta.get("val"), torch.Tensor)
+                              and storage_key(v) == key for a in src.all_input_nodes):  # fmt: skip
+        return src
+    with g.fw.graph.inserting_after(after):
+        one = g.fw.graph.call_function(torch.ops.aten.clone.default, (src,))
+    one.meta.update({k: v for k, v in src.meta.items() if k != "val"})
+    one.meta["val"] = _in_fake_mode(val, lambda t: t.clone())
+    g.fw_nodes[one.name] = one
+    g.fw_at[one] = g.fw_at[after]
+    return one
+
+
 def _insert_one(g: _Graphs, p: Placement) -> None:
     fw, bw = g.fw, g.bw
     src = g.fw_nodes[p.name]
     val = src.meta["val"]
-    with fw.graph.inserting_after(g.fw_nodes[p.offload_after or p.name]):
+    anchor = g.fw_nodes[p.offload_after or p.name]
+    data = _one_buffer(g, src, anchor)
+    with fw.graph.inserting_after(data if data is not src else anchor):
         # The backward placeholder takes the same name, as for any saved tensor.
         # The tier argument only where it is not the default, so host-tier graphs read as
         # they always did.
-        args = (src,) if p.tier == 0 else (src, p.tier)
+        args = (data,) if p.tier == 0 else (data, p.tier)
         handle = fw.graph.create_node("call_function", OFFLOAD, args, dict(g.start),
                                       name=f"{p.name}_handle")
     handle.meta.update({"val": _handle_val(val), meta.ROLE: meta.ROLE_OFFLOAD, meta.SOURCE: p.name})
     with fw.graph.inserting_after(g.join_anchor(handle, p.done_after, p.offload_after or p.name)):
-        done = fw.graph.call_function(OFFLOAD_DONE, (handle, src))
+        done = fw.graph.call_function(OFFLOAD_DONE, (handle, data))
     done.meta.update({"val": _token_val(val), meta.ROLE: meta.ROLE_OFFLOAD_DONE, meta.SOURCE: p.name})
     g.outputs[g.outputs.index(src)] = handle
 
@@ -239,14 +273,19 @@ def _insert_bucket_offload(g: _Graphs, p: BucketPlacement, srcs: list[fx.Node],
     start = dict(g.start)
     if shared is not None:
         start.update(groups=shared.groups, offsets=shared.offsets, strides=shared.strides)
-    with fw.graph.inserting_after(g.fw_nodes[p.offload_after]):
-        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (srcs,), start,
+    anchor = g.fw_nodes[p.offload_after]
+    data = []
+    for s in srcs:
+        data.append(_one_buffer(g, s, anchor))
+        anchor = data[-1] if data[-1] is not s else anchor
+    with fw.graph.inserting_after(anchor):
+        handle = fw.graph.create_node("call_function", OFFLOAD_MANY, (data,), start,
                                       name=f"{p.names[0]}_bucket")
     handle.meta.update({"val": _handle_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD,
                         meta.SOURCE: source})  # fmt: skip
     with fw.graph.inserting_after(g.join_anchor(handle, p.done_after, p.offload_after)):
         # Every member is a keepalive of the join, as the one source is of offload_done.
-        done = fw.graph.call_function(OFFLOAD_MANY_DONE, (handle, srcs))
+        done = fw.graph.call_function(OFFLOAD_MANY_DONE, (handle, data))
     done.meta.update({"val": _token_val(vals[0]), meta.ROLE: meta.ROLE_OFFLOAD_DONE,
                       meta.SOURCE: source})  # fmt: skip
     # The handle takes the saved slot of the member saved first; the others' slots go, and

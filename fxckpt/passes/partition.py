@@ -312,7 +312,7 @@ def _offload(ctx: Context) -> None:
     assert ctx.fw is not None and ctx.bw is not None and ctx.part is not None and ctx.attempt
     placed = placements(ctx.fw, ctx.bw, ctx.part, ctx.attempt.decision, ctx.options, ctx.inductor)
     profile = ctx.options.runtime_settings().key()
-    ctx.fw, ctx.bw = insert_offloads(ctx.fw, ctx.bw, placed, profile)
+    ctx.fw, ctx.bw = insert_offloads(ctx.fw, ctx.bw, placed, profile, inductor=ctx.inductor)
 
 
 def _saved_layouts(ctx: Context) -> None:
