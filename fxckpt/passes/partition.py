@@ -55,7 +55,8 @@ from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
 from fxckpt.passes.cutting import gc_frozen, min_cut
-from fxckpt.passes.offload import insert_note, insert_offloads, resident_names
+from fxckpt.passes.note import insert_note, resident_names
+from fxckpt.passes.offload import insert_offloads
 from fxckpt.passes.pipeline import Stage, run
 from fxckpt.passes.rounds import (
     Attempt,
