@@ -341,9 +341,8 @@ def test_under_inductor_a_view_source_reaches_its_copy_and_join_as_one_buffer() 
     fw = make_fx(f, tracing_mode="fake")(torch.randn(8, 4))
     nodes = {n.target: n for n in fw.graph.nodes if n.op == "call_function"}
     owner, view = nodes[torch.ops.aten.clone.default], nodes[torch.ops.aten._unsafe_view.default]
-    g = _Graphs(fw, fw, {})
-    assert _one_buffer(g, view, view) is view  # the eager compiler: as it is
-    g.inductor = True
+    assert _one_buffer(_Graphs(fw, fw, {}), view, view) is view  # the eager compiler: as it is
+    g = _Graphs(fw, fw, {}, inductor=True)
     assert _one_buffer(g, owner, view) is owner
     one = _one_buffer(g, view, view)
     assert one is not view and one.target is torch.ops.aten.clone.default and one.args == (view,)

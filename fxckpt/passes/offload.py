@@ -13,7 +13,7 @@ import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sympy
 import torch
@@ -23,9 +23,6 @@ from fxckpt.graph import meta
 from fxckpt.graph.activations import storage_key
 from fxckpt.graph.sizes import SYM_OPS
 from fxckpt.runtime import ops as _ops  # noqa: F401  (the ops must exist before we name them)
-
-if TYPE_CHECKING:
-    pass
 
 OFFLOAD = torch.ops.fxckpt.offload.default
 OFFLOAD_DONE = torch.ops.fxckpt.offload_done.default
@@ -131,8 +128,7 @@ def insert_offloads(
     """
     if not placements:
         return fw, bw
-    g = _Graphs(fw, bw, {} if profile is None else {"profile": profile})
-    g.inductor = inductor
+    g = _Graphs(fw, bw, {} if profile is None else {"profile": profile}, inductor)
     for p in placements:
         if isinstance(p, BucketPlacement):
             _insert_bucket(g, p)
@@ -149,10 +145,11 @@ def insert_offloads(
 class _Graphs:
     """The two graphs being rewritten, with the lookups every insertion needs."""
 
-    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, start: dict[str, Any]) -> None:
+    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, start: dict[str, Any],
+                 inductor: bool = False) -> None:
         self.fw, self.bw = fw, bw
         self.start = start  # keyword arguments of the ops that start a transfer
-        self.inductor = False  # Inductor compiles the graphs (see _one_buffer)
+        self.inductor = inductor  # Inductor compiles the graphs (see _one_buffer)
         self.fw_nodes = {n.name: n for n in fw.graph.nodes}
         self.bw_nodes = {n.name: n for n in bw.graph.nodes}
         self.fw_at = {n: i for i, n in enumerate(fw.graph.nodes)}
