@@ -189,9 +189,11 @@ def _plan_facts(payload: str) -> _PlanFacts:
 def _figures(facts: _PlanFacts) -> GraphFigures:
     """The figures of the graph whose plan ``facts`` reads, new ones on its first call (under
     ``_lock``)."""
-    return _graphs.setdefault(
-        facts.name, GraphFigures(budget_bytes=facts.budget_bytes, planned_peak_bytes=facts.planned_peak_bytes)
-    )
+    fig = _graphs.get(facts.name)  # every step: build the figures only on the first
+    if fig is None:
+        fig = _graphs[facts.name] = GraphFigures(budget_bytes=facts.budget_bytes,
+                                                 planned_peak_bytes=facts.planned_peak_bytes)
+    return fig
 
 
 def _first_overrun(facts: _PlanFacts, nbytes: int, warned: set[str]) -> bool:
