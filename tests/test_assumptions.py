@@ -54,9 +54,12 @@ def test_a_first_compile_assumes_the_bandwidth_a_probe_outside_compile_measures(
     bw = got["assumed"]["bandwidth_bytes_per_s"]
     assert bw["source"] == "measured"
     outside = got["outside"]  # five probes after the compile, in bytes per second
-    # Inside the fake mode the probe read ~56-100x the real rate; on a loaded machine the real
-    # one moves between probes, but not by 4x.
-    assert min(outside) / 4 <= bw["value"] <= max(outside) * 4, (bw["value"], outside)
+    # Inside the fake mode the probe read ~56-100x the real rate: the bound that matters is the
+    # upper one. Below, a memcpy rate drops when other processes share the memory bus (CI runs two
+    # legs side by side: one in-compile probe read 8.4x under the five after it), so the lower
+    # bound only says the probe timed a real copy.
+    assert bw["value"] <= max(outside) * 4, (bw["value"], outside)
+    assert bw["value"] >= min(outside) / 50, (bw["value"], outside)
 
 
 def test_the_cuda_probe_steps_out_of_a_fake_mode() -> None:
