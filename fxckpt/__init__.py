@@ -22,7 +22,9 @@ from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
+from fxckpt.runtime import weight_ops as _weight_ops  # noqa: F401  (and those of streamed weights)
 from fxckpt.runtime import stats as _stats
+from fxckpt.weights import StreamedWeights, stream_weights
 
 _torch_compat.register_logging()
 # backend="fxckpt" from a source tree too (PYTHONPATH=.), where no entry point is installed.
@@ -64,6 +66,7 @@ __all__ = [
     "PlannedActivation",
     "Recompute",
     "RuntimeCopyError",
+    "StreamedWeights",
     "__version__",
     "backend",
     "emulate_link",
@@ -73,4 +76,5 @@ __all__ = [
     "register_with_accelerate",
     "reset_stats",
     "stats",
+    "stream_weights",
 ]

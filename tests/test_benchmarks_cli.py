@@ -532,3 +532,16 @@ def test_the_conv_case_passes_on_the_cpu_and_gives_gpu_check_one_record(tmp_path
         assert row["held_bytes"] <= budget * record["aot_eager_held_bytes"]
         assert row["resident"]["ok"] and row["gradients_ok"]
         assert row["first_step_held_bytes"] == [row["held_bytes"]]
+
+
+def test_the_weights_benchmark_runs_its_three_methods_with_equal_gradients(tmp_path, capsys):
+    path = tmp_path / "weights.json"
+    assert _main("weights", "--smoke", "--json", str(path)) == 0
+    doc = json.loads(path.read_text())
+    assert [r["method"] for r in doc["rows"]] == ["resident", "fxckpt stream", "eager swap"]
+    assert all(r["grads_equal"] and _positive(r["step_ms"]) for r in doc["rows"])
+    # Streamed, the frozen weights are host memory: the absolute device peak drops by at least
+    # most of their bytes against all-resident.
+    resident, stream = (r["absolute_peak_bytes"] for r in doc["rows"][:2])
+    assert resident - stream >= doc["frozen_weight_bytes"] // 2
+    assert "emulated link" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The partitioner pipeline: :data:`STAGES`, run in order over one :class:`Context`.
 
     cse               deduplicate the joint graph once, as min-cut would each run
+    streamed weights  passes.weights: a streamed weight's device copy is never saved
     blocks            graph.blocks: find the repeated blocks and number them
     baseline min-cut  what torch alone would save (the plan's yardstick)
     budget            the budget in bytes; under a step budget, this graph's share
@@ -16,6 +17,7 @@
     settle            the Plan: every saved tensor's decision and reason, figures, notes
     offload           passes.offload: offload / prefetch / wait ops where passes.schedule
                       places them
+    weight copies     passes.weights: each streamed weight's copy issued ahead of its use
     saved layouts     (Inductor) passes.saved_layout: saved graph inputs keep their layout
     note              the predicted step peak, and the forward's note of what it keeps
     pin positions     (Inductor) passes.schedule: every planned position holds in codegen
@@ -58,6 +60,7 @@ from fxckpt.passes.cutting import gc_frozen, min_cut
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
 from fxckpt.passes.pipeline import Stage, run
+from fxckpt.passes.weights import schedule_streams, tag_streamed
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -105,6 +108,8 @@ class Context:
     # cse
     deduplicated: bool = False
     sizes: str = ""
+    # streamed weights
+    streamed: int = 0  # stream_in nodes of the joint graph
     # blocks
     blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
     source: fx.GraphModule | None = None  # the joint graph that segments tag
@@ -175,6 +180,18 @@ def _cse(ctx: Context) -> None:
     ctx.deduplicated = dedup is not None
     ctx.joint = dedup if dedup is not None else ctx.joint
     ctx.sizes = sizes_note(ctx.joint)  # under dynamic shapes, the lengths this plan is made for
+
+
+def _tag_weights(ctx: Context) -> None:
+    ctx.streamed = tag_streamed(ctx.joint)
+
+
+def _weight_copies(ctx: Context) -> None:
+    assert ctx.fw is not None and ctx.bw is not None and ctx.plan is not None
+    profile = ctx.options.runtime_settings().key()
+    ctx.fw, ctx.bw = schedule_streams(ctx.fw, profile), schedule_streams(ctx.bw, profile)
+    ctx.plan.notes.append(f"{ctx.streamed} streamed weight use(s): each a host-to-device copy "
+                          "issued ahead of its use, in the forward and again in the backward")
 
 
 def _blocks(ctx: Context) -> None:
@@ -350,6 +367,7 @@ def _under_inductor(ctx: Context) -> bool:
 # The partitioner, top to bottom (docs/how-it-works.md draws it).
 STAGES: tuple[Stage[Context], ...] = (
     Stage("cse", _cse),
+    Stage("streamed weights", _tag_weights),
     Stage("blocks", _blocks),
     Stage("baseline min-cut", _baseline),
     Stage("budget", _budget, report=False),
@@ -359,6 +377,7 @@ STAGES: tuple[Stage[Context], ...] = (
     Stage("plan", _plan, report=False),  # its rounds report themselves
     Stage("settle", _settle, report=False),
     Stage("offload", _offload),
+    Stage("weight copies", _weight_copies, when=lambda ctx: ctx.streamed > 0),
     Stage("saved layouts", _saved_layouts, when=_under_inductor),
     Stage("note", _note),
     Stage("pin positions", _pin_positions, when=_under_inductor),

@@ -133,7 +133,8 @@ class CudaEngine:
         # `dev` may be a block that compute freed but queued kernels still use; the copy must
         # not start before compute reaches this point.
         side.wait_stream(compute)
-        side.wait_event(rec.d2h)
+        if not rec.borrowed:  # a streamed weight's bytes were on the host from the start
+            side.wait_event(rec.d2h)
         start, done = self._copy(side, rec, ((dev.view(torch.uint8), host) for dev, host
                                              in zip(devs, hosts, strict=True)), delay, fail,
                                  "host-to-device")

@@ -65,6 +65,9 @@ class Transfer:
     profile: Any = None
     # The copy meter (runtime.copy_meter) of the compiled graph whose forward started it.
     meter: Any = None
+    # ``host`` is a streamed weight's own storage, not a pool buffer: nothing goes back to the
+    # pool, and no device-to-host copy came first (runtime/weight_ops.py).
+    borrowed: bool = False
 
     @property
     def size(self) -> tuple[int, ...]:

@@ -73,6 +73,9 @@ def _release(hid: int) -> None:
         return
     pending = profile.engine(rec.device).release(rec) if rec.host is not None else ()
     rec.kept = None
+    if rec.borrowed:  # a streamed weight's host storage: its parameter owns it
+        rec.host = None
+        return
     if rec.host is not None:
         # The record lets go first: a buffer the pool could free while the record still
         # held it would outlive the pool's accounting.

@@ -54,6 +54,8 @@ _COUNTERS = (
     "disk_fallbacks",
     "replans",
     "link_probes",
+    "weight_h2d_bytes",
+    "weight_d2h_bytes",
 )
 _SECONDS = ("stall_seconds", "copy_seconds", "disk_write_seconds", "disk_read_seconds")
 # pool_bytes describes memory the process holds right now, so reset() leaves it alone; so do

@@ -1,0 +1,202 @@
+"""Streamed weights beside all-resident weights and an eager block swap, through one emulated link.
+
+    python -m benchmarks.weights [--json PATH] [--steps 5] [--smoke]
+
+The link is sized so that one block's weight copy takes as long, relative to the block's
+forward compute, as on the target: a Flux-style DiT block at 1024x1024 (4096 tokens), bf16
+weights, on a 24 GB card over PCIe 4 (25 GB/s, 165 TFLOP/s dense bf16): copy/compute =
+(1/4096 bytes per FLOP) / (25e9 / 165e12) = 1.61. This machine's compute rate is measured
+(a matmul of the block's shape) and the bandwidth follows; ``--mbps`` overrides it.
+
+A LoRA decoder-shaped stack (frozen base linears, trainable rank-8 adapters), trained with
+``torch.compile(backend="fxckpt")`` three ways, each under the same emulated host link:
+
+- ``resident``: every weight on the device, no copies;
+- ``fxckpt stream``: ``fxckpt.stream_weights(model, frozen_only=True)``, each base weight
+  copied to the device ahead of each use, in the forward and again in the backward;
+- ``eager swap``: the block swap users write today, in eager mode: a forward pre-hook per block
+  copies its weights in through the same link (one blocking copy per block, compute waits) and
+  a hook after it frees them; the backward swaps each block in again.
+
+Per method, measured: the step time (median of the timed steps), the absolute device peak
+over a step, and gradient equality with the resident run. The absolute figure, on the CPU, is
+what the step starts with on the device (the storages of the model's parameters, buffers and
+gradients and of the input, fxckpt's host memory left out) plus the allocator's peak above that
+level during the step (``fxckpt.measure``): neither reads a plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import fxckpt
+from fxckpt.runtime import pool, weight_ops
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, rank: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out, bias=False).requires_grad_(False)
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=False)
+        nn.init.normal_(self.up.weight, std=0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = LoRALinear(d, 4 * d), LoRALinear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+TARGET_COPY_TO_COMPUTE = (1 / 4096) / (25e9 / 165e12)
+
+
+def _flops_per_s(d: int, tokens: int) -> float:
+    a, b = torch.randn(tokens, d), torch.randn(d, 4 * d)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * tokens * d * 4 * d / (time.perf_counter() - t0)
+
+
+def _device_bytes_now(model: nn.Module, x: torch.Tensor, exclude: set[int]) -> int:
+    """The bytes the step starts with on the device: the storages of the model's parameters,
+    buffers and gradients and of the input, each once, fxckpt's host memory (and ``exclude``,
+    the eager swap's host copies) left out."""
+    host = weight_ops.host_ptrs() | pool.host_buffer_ptrs("cpu") | exclude
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), x]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() and storage.data_ptr() not in host:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _swap(model: Stack) -> set[int]:
+    """An eager block swap: each block's base weights copied in before it runs, through the
+    emulated link, and dropped after; each block is checkpointed, so its backward re-runs it
+    (and swaps its weights in again) first."""
+    from fxckpt import _link
+
+    link = _link.current()
+    hosts: set[int] = set()
+    for block in model.blocks:
+        bases = [m.base for m in (block.fc1, block.fc2)]
+        host = [b.weight.detach().clone() for b in bases]
+        hosts |= {h.data_ptr() for h in host}
+        forward = block.forward
+
+        def swapped(y: torch.Tensor, bases: list = bases, host: list = host, f: Any = forward) -> torch.Tensor:
+            for b, h in zip(bases, host, strict=True):
+                dev = torch.empty_like(h)
+                link.copy("h2d", h.nbytes, lambda d=dev, s=h: d.copy_(s))
+                b.weight = nn.Parameter(dev, requires_grad=False)
+            out = f(y)
+            for b in bases:
+                b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            return out
+
+        for b in bases:
+            b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        block.forward = lambda x, g=swapped: torch.utils.checkpoint.checkpoint(g, x, use_reentrant=False)
+    return hosts
+
+
+def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int) -> dict[str, Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(d, depth)
+    exclude: set[int] = set()
+    if method == "fxckpt stream":
+        fxckpt.stream_weights(model, frozen_only=True)
+    run_model: Any = model
+    if method == "eager swap":
+        exclude = _swap(model)
+    else:
+        run_model = torch.compile(model, backend="fxckpt", options={"compiler": "eager"})
+    times, peaks = [], []
+    for i in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        start_bytes = _device_bytes_now(model, x, exclude)
+        t0 = time.perf_counter()
+        m = fxckpt.measure(lambda: run_model(x).backward())
+        times.append(time.perf_counter() - t0)
+        peaks.append(start_bytes + m.peak_bytes)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"method": method, "step_ms": statistics.median(times[1:]) * 1e3,
+            "absolute_peak_bytes": max(peaks[1:]), "grads": grads}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--mbps", type=float, default=None, help="emulated link, MB/s each way "
+                    "(default: sized to the target's copy-to-compute ratio)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, 1 step (tests)")
+    args = ap.parse_args(argv)
+    d, depth, tokens = (64, 4, 16) if args.smoke else (256, 6, 1024)
+    steps = 1 if args.smoke else args.steps
+    torch.manual_seed(0)
+    x = torch.randn(tokens, d)
+    weight_bytes = sum(p.nbytes for n, p in Stack(d, depth).named_parameters() if ".base." in n)
+    if args.mbps is None:
+        block_bytes, block_flops = weight_bytes / depth, 2 * 2 * tokens * d * 4 * d
+        args.mbps = block_bytes * _flops_per_s(d, tokens) / (block_flops * TARGET_COPY_TO_COMPUTE) / 1e6
+    print(f"emulated link {args.mbps:.1f} MB/s each way: a block's weight copy takes "
+          f"{TARGET_COPY_TO_COMPUTE:.2f}x its forward compute, as on the target", flush=True)
+    rows = []
+    with fxckpt.emulate_link(args.mbps * 1e6):
+        for method in ("resident", "fxckpt stream", "eager swap"):
+            rows.append(run(method, d, depth, x, steps))
+            print(f"{method:14s} step {rows[-1]['step_ms']:8.1f} ms   absolute device peak "
+                  f"{rows[-1]['absolute_peak_bytes'] / 2**20:8.2f} MiB", flush=True)
+    ref = rows[0]["grads"]
+    for row in rows:
+        got = {n.replace("parametrizations.", "").replace(".original", ""): g for n, g in row.pop("grads").items()}
+        row["grads_equal"] = got.keys() == ref.keys() and all(
+            torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-5) for n in ref)
+    report = {"link_MBps": args.mbps, "model": {"d": d, "depth": depth, "tokens": tokens},
+              "frozen_weight_bytes": weight_bytes, "rows": rows,
+              "stream_vs_resident_time": rows[1]["step_ms"] / rows[0]["step_ms"],
+              "swap_vs_stream_time": rows[2]["step_ms"] / rows[1]["step_ms"]}
+    print(f"frozen weights {weight_bytes / 2**20:.2f} MiB; stream/resident time "
+          f"{report['stream_vs_resident_time']:.2f}x, swap/stream {report['swap_vs_stream_time']:.2f}x; "
+          f"grads equal: {[r['grads_equal'] for r in rows]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

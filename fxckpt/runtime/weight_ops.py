@@ -1,0 +1,220 @@
+"""The ``fxckpt::`` operators of streamed weights (:func:`fxckpt.stream_weights`).
+
+A streamed parameter lives in fxckpt's host memory (pinned on a GPU machine). Its module reads
+it through ``fxckpt::stream_in``, which returns a device copy; that is the one op a traced
+model shows, and, run as it is (eager, or a graph fxckpt did not rewrite), it copies at once
+on the compute side. The backend splits each ``stream_in`` of a compiled graph into
+``fxckpt::weight_prefetch``, issued ahead of the use on the copy engine's host-to-device
+queue, and the activations' own ``fxckpt::wait`` before the use (:mod:`fxckpt.passes.weights`).
+The device copy is an ordinary tensor of the graph, freed after its last use.
+
+A trainable weight's gradient leaves the device through ``fxckpt::stream_out``, the backward
+of ``stream_in``: a device-to-host copy into a new host tensor that autograd accumulates into
+the host parameter's ``.grad``.
+
+Ordering with the optimizer, which writes host weights: every host-to-device copy of a weight
+is recorded until it is known complete; :func:`fence` blocks until all are, and fxckpt runs it
+before every optimizer step that holds a streamed weight (a global step pre-hook, installed by
+:func:`fxckpt.stream_weights`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+from fxckpt import _link
+from fxckpt.errors import RuntimeCopyError
+from fxckpt.runtime import copy_meter, profiles, stats
+from fxckpt.runtime.engine import Part, Transfer
+from fxckpt.runtime.handles import next_id, register, span_of
+from fxckpt.runtime.transfer import UNSAFE, start_prefetch
+
+# Storage address -> bytes of every live host tensor fxckpt made for a streamed weight or its
+# gradient. The CPU meter leaves these out, as on a GPU they would be host memory.
+_HOST: dict[int, int] = {}
+_HOST_LOCK = threading.Lock()
+# The completions (futures, CUDA events) of weight copies that may still be reading host
+# memory; a record's own may be cleared when its handle dies, before the copy is known done.
+_IN_FLIGHT: list[object] = []
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
+
+
+def host_ptrs() -> set[int]:
+    """Addresses of the live host storages of streamed weights and their gradients."""
+    with _HOST_LOCK:
+        return set(_HOST)
+
+
+def host_bytes() -> int:
+    """Bytes of those storages."""
+    with _HOST_LOCK:
+        return sum(_HOST.values())
+
+
+def adopt_host(t: torch.Tensor) -> torch.Tensor:
+    """Count ``t``'s storage as fxckpt host memory for as long as the tensor ``t`` lives (a
+    storage's Python object is made afresh at each ``untyped_storage()``, so the tensor, or the
+    parameter made over it, is what is watched)."""
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    with _HOST_LOCK:
+        _HOST[ptr] = storage.nbytes()
+    weakref.finalize(t, _forget, ptr).atexit = False
+    return t
+
+
+def _forget(ptr: int) -> None:
+    with _HOST_LOCK:
+        _HOST.pop(ptr, None)
+
+
+def is_host(t: torch.Tensor) -> bool:
+    with _HOST_LOCK:
+        return t.untyped_storage().data_ptr() in _HOST
+
+
+def _check_host(w: torch.Tensor, op: str) -> None:
+    if w.device.type != "cpu" or not is_host(w):
+        raise RuntimeCopyError(
+            f"fxckpt::{op}: a streamed weight ({list(w.shape)} {w.dtype}) is on {w.device}, not "
+            "in fxckpt's host memory. Something moved it after fxckpt.stream_weights (for "
+            "example model.to(device)). Write model.to(device) first, then "
+            "fxckpt.stream_weights(model, device=...)."
+        )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+    """One copy on the compute side; through the emulated link, when there is one."""
+    link = _link.current()
+    if link is not None and dst.device.type == "cpu" and src.device.type == "cpu":
+        stats.add("copy_seconds", link.copy(direction, src.nbytes, lambda: dst.copy_(src)))
+    else:
+        dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+
+
+@torch.library.custom_op("fxckpt::stream_in", mutates_args=(), schema="(Tensor w, Device device) -> Tensor",
+                         tags=UNSAFE)
+def stream_in(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of the streamed host weight ``w``, copied now, on the compute side."""
+    _check_host(w, "stream_in")
+    out = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+    _copy(out, w, "h2d")
+    stats.add("weight_h2d_bytes", w.nbytes)
+    return out
+
+
+@stream_in.register_fake
+def _(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+
+
+def _setup(ctx: object, inputs: tuple[torch.Tensor, torch.device], output: torch.Tensor) -> None:
+    pass
+
+
+def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return torch.ops.fxckpt.stream_out(grad), None
+
+
+stream_in.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("fxckpt::stream_out", mutates_args=(), schema="(Tensor grad) -> Tensor",
+                         tags=UNSAFE)
+def stream_out(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` copied to a new host tensor (counted as fxckpt host memory), complete on return:
+    autograd accumulates it into the host parameter's ``.grad`` on the CPU at once."""
+    out = adopt_host(torch.empty(grad.shape, dtype=grad.dtype, device="cpu"))
+    if grad.device.type == "cpu":
+        _copy(out, grad.contiguous(), "d2h")
+    else:
+        out.copy_(grad)  # blocking: the host side reads it next
+    stats.add("weight_d2h_bytes", grad.nbytes)
+    return out
+
+
+@stream_out.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
+
+
+@torch.library.custom_op(
+    "fxckpt::weight_prefetch",
+    mutates_args=(),
+    schema="(Tensor w, Device device, Tensor[]? after=None, *, str? profile=None) -> Tensor",
+    tags=UNSAFE,
+)
+def weight_prefetch(
+    w: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor] | None = None, *,
+    profile: str | None = None,
+) -> torch.Tensor:
+    """Start copying the streamed host weight ``w`` to ``device`` on the copy engine's
+    host-to-device queue; returns the handle that ``fxckpt::wait`` takes (as handle and as
+    ticket). ``after``: outputs of the node the plan issues the copy after."""
+    _check_host(w, "weight_prefetch")
+    span = span_of(w)
+    nbytes = span * w.element_size()
+    rec = Transfer(
+        hid=next_id(),
+        parts=(Part(tuple(w.shape), tuple(w.stride()), span, 0, nbytes),),
+        dtype=w.dtype,
+        device=torch.device(device),
+        nbytes=nbytes,
+        profile=profiles.lookup(profile),
+        borrowed=True,
+    )
+    if nbytes:
+        rec.host = w.detach().as_strided((span,), (1,), w.storage_offset()).view(torch.uint8)
+        rec.d2h = _DONE if rec.device.type == "cpu" else None  # already on the host
+        rec.meter = copy_meter.active()
+        start_prefetch(rec)
+        _pending(rec.h2d)
+        stats.add("weight_h2d_bytes", nbytes)
+    return register(rec)
+
+
+@weight_prefetch.register_fake
+def _(
+    w: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor] | None = None, *,
+    profile: str | None = None,
+) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+def _finished(done: object) -> bool:
+    return done.done() if isinstance(done, Future) else bool(done.query())  # type: ignore[attr-defined]
+
+
+def _pending(done: object) -> None:
+    with _HOST_LOCK:
+        _IN_FLIGHT[:] = [d for d in _IN_FLIGHT if not _finished(d)]
+        _IN_FLIGHT.append(done)
+
+
+def fence() -> None:
+    """Block until no host-to-device copy of a streamed weight is still reading host memory.
+
+    The optimizer writes host weights; a copy that has not read its bytes yet would carry the
+    new values into a backward that the old ones began."""
+    with _HOST_LOCK:
+        pending, _IN_FLIGHT[:] = list(_IN_FLIGHT), []
+    for done in pending:
+        if isinstance(done, Future):
+            done.exception()  # waits; a failed copy raised in its own wait already
+        else:
+            done.synchronize()  # type: ignore[attr-defined]
+
+
+OPS = (
+    torch.ops.fxckpt.stream_in.default,
+    torch.ops.fxckpt.stream_out.default,
+    torch.ops.fxckpt.weight_prefetch.default,
+)
+for _op in OPS[2:]:  # its handle may go unused until the wait: never dead code
+    torch.fx.node.has_side_effect(_op)

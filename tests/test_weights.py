@@ -1,0 +1,248 @@
+"""Streamed weights (fxckpt.stream_weights): host-resident parameters copied to the device per
+use inside the compiled graph, with the training step equal to eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxckpt
+from fxckpt.errors import OptionsError, RuntimeCopyError
+from fxckpt.runtime import engine, weight_ops
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight and a trainable low-rank update, as a LoRA adapter has them."""
+
+    def __init__(self, d: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(d, rank, bias=False)
+        self.up = nn.Linear(rank, d, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self, d: int = 64, depth: int = 4, lora: bool = False) -> None:
+        super().__init__()
+        lin = (lambda: LoRALinear(d)) if lora else (lambda: nn.Linear(d, d))
+        self.blocks = nn.ModuleList(nn.Sequential(lin(), nn.GELU(), lin()) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def _plain(name: str) -> str:
+    """A parameter's name as the model had it before stream_weights parametrized it."""
+    return name.replace("parametrizations.", "").replace(".original", "")
+
+
+def _step(model: nn.Module, run: object, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    loss = run(x)  # type: ignore[operator]
+    loss.backward()
+    grads = {_plain(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, x.grad
+
+
+def _assert_matches_eager(model: nn.Module, options: dict, *, frozen_only: bool = False, steps: int = 2
+                          ) -> fxckpt.StreamedWeights:
+    ref = copy.deepcopy(model)
+    streamed = fxckpt.stream_weights(model, min_bytes=0, frozen_only=frozen_only)
+    compiled = torch.compile(model, backend="fxckpt", options=options)
+    for i in range(steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
+        loss, grads, gx = _step(model, compiled, x)
+        want_loss, want_grads, want_gx = _step(ref, ref, x)
+        torch.testing.assert_close(loss, want_loss)
+        torch.testing.assert_close(gx, want_gx)
+        assert grads.keys() == want_grads.keys() and grads
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g, msg=lambda m, n=name: f"{n}: {m}")
+    return streamed
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    yield
+    engine.configure()
+
+
+def test_trainable_streamed_weights_train_like_eager_and_travel_both_ways() -> None:
+    torch.manual_seed(0)
+    model = Blocks()
+    streamed = _assert_matches_eager(model, {"compiler": "eager"})
+    assert len(streamed.names) == 16 and not streamed.resident
+    stats = fxckpt.stats()
+    # Each of the two steps: every parameter to the device in the forward, and again in the
+    # backward those it needs there (the weights: a bias's gradient does not read the bias);
+    # every gradient back.
+    biases = sum(p.nbytes for n, p in model.named_parameters() if "bias" in n)
+    assert stats["weight_h2d_bytes"] == 2 * (2 * streamed.nbytes - biases)
+    assert stats["weight_d2h_bytes"] == 2 * streamed.nbytes
+    # The host parameters are fxckpt host memory, and their gradients are on the host too.
+    for p in model.parameters():
+        assert weight_ops.is_host(p) and p.grad.device.type == "cpu"
+
+
+def test_a_frozen_base_is_only_copied_in_and_its_adapters_stay_resident() -> None:
+    torch.manual_seed(0)
+    model = Blocks(lora=True)
+    streamed = _assert_matches_eager(model, {"compiler": "eager"}, frozen_only=True)
+    assert all(".base." in n for n in streamed.names)
+    assert all(".base." not in n for n in streamed.resident)
+    assert fxckpt.stats()["weight_d2h_bytes"] == 0
+    biases = sum(p.nbytes for n, p in model.named_parameters() if "base.bias" in _plain(n))
+    assert fxckpt.stats()["weight_h2d_bytes"] == 2 * (2 * streamed.nbytes - biases)
+
+
+def test_no_weight_copy_is_saved_for_the_backward() -> None:
+    torch.manual_seed(0)
+    model = Blocks()
+    fxckpt.stream_weights(model, min_bytes=0)
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager"})
+    compiled(torch.randn(8, 64, requires_grad=True)).backward()
+    (plan,) = fxckpt.last_plans()
+    assert plan.activations and all(a.shape != (64, 64) for a in plan.activations)
+    assert any("streamed weight use" in n for n in plan.notes)
+
+
+def test_a_block_loop_with_streamed_weights_is_one_graph() -> None:
+    graphs = []
+    inner = fxckpt.backend(compiler="eager")
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+
+    model = Blocks(lora=True)
+    fxckpt.stream_weights(model, frozen_only=True, min_bytes=0)
+    torch.compile(model, backend=counting)(torch.randn(8, 64, requires_grad=True)).backward()
+    assert len(graphs) == 1
+
+
+def test_copies_run_on_the_engine_ahead_of_their_use_and_a_missing_wait_is_seen() -> None:
+    """Slow, poisoned copies: exact with the waits; with them skipped, the values are wrong, so
+    the equality above would catch a graph that used a copy before its wait."""
+    torch.manual_seed(0)
+    engine.configure(copy_delay_s=0.002, poison_fresh=True)
+    _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
+    # 16 parameters in the forward, the 8 weights again in the backward
+    assert fxckpt.stats()["copy_handoffs"] == 24
+
+    torch._dynamo.reset()
+    engine.configure(copy_delay_s=0.002, poison_fresh=True, unsafe_skip_waits=True)
+    with pytest.raises(AssertionError):
+        _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
+
+
+def test_each_prefetch_is_issued_before_the_use_of_the_weight_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fxckpt.passes.partition as partition
+
+    captured = []
+    real = partition.schedule_streams
+    monkeypatch.setattr(partition, "schedule_streams", lambda gm, *a: captured.append(real(gm, *a)) or captured[-1])
+    model = Blocks()
+    fxckpt.stream_weights(model, min_bytes=0)
+    torch.compile(model, backend="fxckpt", options={"compiler": "eager"})(
+        torch.randn(8, 64, requires_grad=True)).backward()
+    fw = captured[0]
+    nodes = list(fw.graph.nodes)
+    pre = [i for i, n in enumerate(nodes) if n.target is torch.ops.fxckpt.weight_prefetch.default]
+    wait = [i for i, n in enumerate(nodes) if n.target is torch.ops.fxckpt.wait.default]
+    assert len(pre) == len(wait) == 16
+    # Weight k's copy is queued before weight k-1 is waited for and used: it runs behind that
+    # compute. And the copies queue in weight order.
+    assert all(pre[k] < wait[k - 1] + 2 for k in range(1, 16)) and pre == sorted(pre)
+    assert all(p < w for p, w in zip(pre, wait, strict=True))
+    assert not list(fw.graph.find_nodes(op="call_function", target=torch.ops.fxckpt.stream_in.default))
+
+
+def test_the_optimizer_step_waits_for_weight_copies_still_reading_the_host() -> None:
+    """A slow copy of a host weight is in flight when the optimizer steps: the step must wait,
+    or the copy would carry the new values into a pass the old ones began."""
+    lin = nn.Linear(64, 64, bias=False)
+    fxckpt.stream_weights(lin, min_bytes=0)
+    (w,) = lin.parameters()
+    before = w.detach().clone()
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones_like(w)
+    engine.configure(copy_delay_s=0.3)
+    handle = torch.ops.fxckpt.weight_prefetch(w, torch.device("cpu"))
+    opt.step()  # writes w on the host
+    copy = torch.ops.fxckpt.wait(handle, handle, list(w.shape), list(w.stride()), w.dtype, w.device)
+    torch.testing.assert_close(copy, before)
+    torch.testing.assert_close(w.detach(), before - 1)
+
+
+def test_an_optimizer_built_before_stream_weights_is_a_clear_error() -> None:
+    lin = nn.Linear(64, 64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    fxckpt.stream_weights(lin, min_bytes=0)
+    lin(torch.randn(2, 64)).sum().backward()
+    with pytest.raises(OptionsError, match="optimizer built after fxckpt.stream_weights"):
+        opt.step()
+
+
+def test_bad_choices_are_typed_errors_that_say_what_to_write() -> None:
+    with pytest.raises(OptionsError, match="'modules'.*no parameter to stream"):
+        fxckpt.stream_weights(Blocks(), modules="nothing_here")
+    with pytest.raises(OptionsError, match="valid regular expression"):
+        fxckpt.stream_weights(Blocks(), modules="(")
+    with pytest.raises(OptionsError, match="min_bytes"):
+        fxckpt.stream_weights(Blocks(), min_bytes=-1)
+    tied = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(OptionsError, match="tied to 1.weight"):
+        fxckpt.stream_weights(tied, modules=r"^0$", min_bytes=0)
+    twice = Blocks()
+    fxckpt.stream_weights(twice, min_bytes=0)
+    with pytest.raises(OptionsError, match="parametrized already"):
+        fxckpt.stream_weights(twice)
+
+
+def test_tied_weights_stream_together_and_stay_tied() -> None:
+    tied = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+    tied[2].weight = tied[0].weight
+    ref = copy.deepcopy(tied)
+    streamed = fxckpt.stream_weights(tied, min_bytes=0)
+    assert streamed.nbytes == 8 * 8 * 4 and len(list(tied.parameters())) == 1
+    x = torch.randn(3, 8)
+    tied(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(next(tied.parameters()).grad, ref[0].weight.grad)
+
+
+def test_a_streamed_weight_moved_off_the_host_is_a_clear_error() -> None:
+    lin = nn.Linear(64, 64)
+    fxckpt.stream_weights(lin, min_bytes=0)
+    lin.parametrizations.weight.original.data = torch.randn(64, 64)  # no longer fxckpt's memory
+    with pytest.raises(RuntimeCopyError, match=r"model.to\(device\) first"):
+        lin(torch.randn(2, 64))
+
+
+def test_the_default_min_bytes_is_relaxed_with_a_warning_when_it_leaves_nothing() -> None:
+    with pytest.warns(UserWarning, match="min_bytes=0"):
+        streamed = fxckpt.stream_weights(nn.Linear(8, 8))
+    assert len(streamed.names) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_under_inductor_streamed_weights_train_like_eager() -> None:
+    torch.manual_seed(0)
+    engine.configure(copy_delay_s=0.001, poison_fresh=True)
+    _assert_matches_eager(Blocks(lora=True), {}, frozen_only=True)
+    _assert_matches_eager(Blocks(), {"memory_budget": 0.5})
