@@ -99,6 +99,19 @@ def _parse_budget(value: Any) -> int | float | str | None:
     return budget
 
 
+def _parse_device_budget(value: Any) -> int | None:
+    accepted = 'None, a positive int number of bytes, or a string such as "6GiB"'
+    if value is None:
+        return None
+    if isinstance(value, float) or value == "auto":
+        raise OptionsError("device_budget", value, accepted,
+                           "the device budget is bytes; a fraction has no one baseline to be of")  # fmt: skip
+    budget = parse_bytes(value, "device_budget")
+    if not budget:
+        raise OptionsError("device_budget", value, accepted, "a zero budget; use None for no limit")
+    return budget
+
+
 def _parse_host_budget(value: Any) -> int | float | str | None:
     option, accepted = "host_budget", _HOST_BUDGET_ACCEPTED
     if value is None or (isinstance(value, str) and value == "auto"):
@@ -203,6 +216,9 @@ class Options:
     # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
     # gets a share, planning.step_budget); "graph": every graph on its own, as before.
     budget_scope: str = _default("step")
+    # With streamed weights (fxckpt.stream_weights): bytes for the saved activations and the
+    # weight copies on the device together, per graph; None: no such bound.
+    device_budget: int | str | None = _default(None)
     blocks: str | None = _default(None)
     block_index: int | None = _default(None)
 
@@ -226,6 +242,7 @@ class Options:
         put("_explicit", tuple(sorted(explicit)))
 
         put("memory_budget", _parse_budget(self.memory_budget))
+        put("device_budget", _parse_device_budget(self.device_budget))
         stride = _parse_int(self.segment_stride, "segment_stride", 0)
         put("segment_stride", stride)
         width = stride if self.segment_width is None else self.segment_width

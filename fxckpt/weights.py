@@ -11,7 +11,7 @@ forward and again in the backward, and the device copy is freed after its last u
 Gradients: a frozen weight (``requires_grad=False``, the LoRA case) only ever travels to the
 device. A trainable one's gradient is copied to the host as the backward produces it and
 accumulated into the host parameter's ``.grad``; the optimizer steps on the host parameters
-(``torch.optim.AdamW(model.parameters(), foreach=False)`` runs on the CPU). Before any
+(torch's optimizers run on CPU tensors). Before any
 optimizer step that holds a streamed weight, fxckpt blocks until every host-to-device copy of a
 weight has read its bytes (:func:`fxckpt.runtime.weight_ops.fence`, a global step pre-hook):
 the step may then write the host weights.

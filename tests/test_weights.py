@@ -246,3 +246,34 @@ def test_under_inductor_streamed_weights_train_like_eager() -> None:
     engine.configure(copy_delay_s=0.001, poison_fresh=True)
     _assert_matches_eager(Blocks(lora=True), {}, frozen_only=True)
     _assert_matches_eager(Blocks(), {"memory_budget": 0.5})
+
+
+def test_device_budget_bounds_saved_activations_and_weight_copies_together() -> None:
+    """device_budget = the weights' reserve (3x the largest streamed weight) + room for the saved
+    activations: the forward leaves at most that room on the device, measured."""
+    torch.manual_seed(0)
+    model = Blocks()
+    reserve = 3 * 64 * 64 * 4
+    x = torch.randn(8, 64, requires_grad=True)
+    plain = torch.compile(copy.deepcopy(model), backend="fxckpt", options={"compiler": "eager"})
+    baseline = fxckpt.measure(plain, x).held_bytes
+    torch._dynamo.reset()
+    room = baseline // 3
+    fxckpt.stream_weights(model, min_bytes=0)
+    options = {"compiler": "eager", "device_budget": reserve + room, "on_infeasible": "warn"}
+    compiled = torch.compile(model, backend="fxckpt", options=options)
+    held = fxckpt.measure(compiled, x)
+    assert 0 < held.held_bytes <= room, (held.held_bytes, room, baseline)
+    held.output.backward()
+    (plan,) = [p for p in fxckpt.last_plans() if p.budget_bytes is not None]
+    assert plan.budget_bytes == room
+
+
+def test_a_device_budget_the_weights_alone_fill_is_a_typed_error_naming_the_least() -> None:
+    model = Blocks()
+    fxckpt.stream_weights(model, min_bytes=0)
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": 4096})
+    with pytest.raises(Exception, match=r"device_budget.*more than 49152 bytes"):
+        compiled(torch.randn(8, 64, requires_grad=True))
+    with pytest.raises(OptionsError, match="device_budget"):
+        fxckpt.Options(device_budget=0.5)

@@ -5,6 +5,7 @@
     blocks            graph.blocks: find the repeated blocks and number them
     baseline min-cut  what torch alone would save (the plan's yardstick)
     budget            the budget in bytes; under a step budget, this graph's share
+    device budget     (device_budget) what streamed weights' copies leave bounds the saved ones
     segment           passes.segment: tag segment interiors PREFER_RECOMPUTE (a stride)
     min-cut           torch's min-cut on the tagged graph; graph.activations: the saved
                       tensors, bytes per storage, lifetimes
@@ -44,6 +45,7 @@ from fxckpt._torch_compat import (
     lazy_graph_modules,
     trace_plan_artifact,
 )
+from fxckpt.errors import OptionsError
 from fxckpt.graph.activations import (
     SavedActivation,
     bytes_per_storage,
@@ -60,7 +62,7 @@ from fxckpt.passes.cutting import gc_frozen, min_cut
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
 from fxckpt.passes.pipeline import Stage, run
-from fxckpt.passes.weights import schedule_streams, tag_streamed
+from fxckpt.passes.weights import reserve_bytes, schedule_streams, tag_streamed
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -218,6 +220,24 @@ def _budget(ctx: Context) -> None:
         ctx.budget = ctx.ticket.share(baseline_bytes, ctx.graph_name, inputs)
 
 
+def _device_budget(ctx: Context) -> None:
+    """Under ``device_budget``: what the streamed weights do not take bounds the saved
+    activations (with ``memory_budget``, the smaller of the two)."""
+    total = ctx.options.device_budget
+    assert total is not None
+    reserve = reserve_bytes(ctx.joint)
+    if total <= reserve:
+        raise OptionsError(
+            "device_budget", total,
+            f"more than {reserve} bytes for this graph: its streamed weights' copies take up to "
+            f"{reserve} (three times its largest streamed weight, {reserve // 3} bytes), and its "
+            "saved activations need some too",
+            f"graph {ctx.graph_name}",
+        )  # fmt: skip
+    room = total - reserve
+    ctx.budget = room if ctx.budget is None else min(ctx.budget, room)
+
+
 def _segment(ctx: Context) -> None:
     assert ctx.source is not None
     width = ctx.options.segment_width if ctx.options.segment_width is not None else ctx.stride
@@ -371,6 +391,7 @@ STAGES: tuple[Stage[Context], ...] = (
     Stage("blocks", _blocks),
     Stage("baseline min-cut", _baseline),
     Stage("budget", _budget, report=False),
+    Stage("device budget", _device_budget, when=lambda ctx: ctx.options.device_budget is not None),
     Stage("segment", _segment, when=lambda ctx: ctx.stride > 0),
     Stage("min-cut", _min_cut),
     Stage("assumptions", _assumptions),

@@ -52,6 +52,14 @@ def weight_bytes(node: fx.Node) -> int:
     return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def reserve_bytes(joint: fx.GraphModule) -> int:
+    """The device bytes streamed weights take at most at once under :func:`schedule_streams`'
+    default lead: the weight in use and up to twice the largest on their way, so three times the
+    largest streamed weight (0 without any)."""
+    sizes = [weight_bytes(n) for n in joint.graph.find_nodes(op="call_function", target=STREAM_IN)]
+    return 3 * max(sizes, default=0)
+
+
 def schedule_streams(gm: fx.GraphModule, profile: str | None, lead_bytes: int | None = None
                      ) -> fx.GraphModule:
     """Replace each ``stream_in`` of ``gm`` by a prefetch ahead of it and a wait at it.
