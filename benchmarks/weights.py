@@ -144,7 +144,7 @@ def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int) -> dict[st
     else:
         run_model = torch.compile(model, backend="fxckpt", options={"compiler": "eager"})
     times, peaks = [], []
-    for i in range(steps + 1):
+    for _ in range(steps + 1):
         model.zero_grad(set_to_none=True)
         start_bytes = _device_bytes_now(model, x, exclude)
         t0 = time.perf_counter()

@@ -22,8 +22,8 @@ from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
-from fxckpt.runtime import weight_ops as _weight_ops  # noqa: F401  (and those of streamed weights)
 from fxckpt.runtime import stats as _stats
+from fxckpt.runtime import weight_ops as _weight_ops  # noqa: F401  (and those of streamed weights)
 from fxckpt.weights import StreamedWeights, stream_weights
 
 _torch_compat.register_logging()

@@ -123,7 +123,7 @@ def stream_weights(
             host.copy_(old.detach())
         new = nn.Parameter(host, requires_grad=old.requires_grad)
         weight_ops.adopt_host(new)
-        _REPLACED[id(old)] = weakref.ref(old, lambda _, key=id(old): _REPLACED.pop(key, None))
+        _remember_replaced(old)
         for path, module, _ in places:
             name = path.rpartition(".")[2]
             module._parameters[name] = new
@@ -134,6 +134,11 @@ def stream_weights(
     streamed = set(names)
     resident = tuple(p for p in _all_paths(owners) if p not in streamed)
     return StreamedWeights(tuple(names), nbytes, resident, dev)
+
+
+def _remember_replaced(old: torch.Tensor) -> None:
+    key = id(old)
+    _REPLACED[key] = weakref.ref(old, lambda _: _REPLACED.pop(key, None))
 
 
 def _device(model: nn.Module, device: torch.device | str | None) -> torch.device:

@@ -62,7 +62,6 @@ from fxckpt.passes.cutting import gc_frozen, min_cut
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
 from fxckpt.passes.pipeline import Stage, run
-from fxckpt.passes.weights import reserve_bytes, schedule_streams, tag_streamed
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -80,6 +79,7 @@ from fxckpt.passes.shape_budget import (
     sizes_note,
     upper_bounds_to_plan_for,
 )
+from fxckpt.passes.weights import reserve_bytes, schedule_streams, tag_streamed
 from fxckpt.planning import step_budget
 from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.plan_round import Partition, infeasible, settle, timeline
@@ -224,7 +224,7 @@ def _device_budget(ctx: Context) -> None:
     """Under ``device_budget``: what the streamed weights do not take bounds the saved
     activations (with ``memory_budget``, the smaller of the two)."""
     total = ctx.options.device_budget
-    assert total is not None
+    assert isinstance(total, int)  # parsed to bytes by Options
     reserve = reserve_bytes(ctx.joint)
     if total <= reserve:
         raise OptionsError(
