@@ -314,3 +314,37 @@ def test_a_graphs_copy_meter_gets_the_event_timed_copies_and_stalls(hw):
     t = meter.read()
     assert t.copy_seconds == pytest.approx(0.010) and t.copied_bytes == 2 * 1024
     assert t.stall_seconds == pytest.approx(0.003 + 0.005)
+
+
+def _streamed_weight(hw: FakeCuda, n: int = 1024) -> torch.Tensor:
+    """A streamed weight as fxckpt.stream_weights leaves it: page-locked host memory it counts."""
+    from fxckpt.runtime import weight_ops
+
+    w = hw.page_locked(n * 4).view(torch.float32)
+    w.copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)))
+    return weight_ops.adopt_host(w)
+
+
+def test_a_streamed_weight_is_read_by_compute_only_after_its_copy_lands(hw):
+    w = _streamed_weight(hw)
+    hw.kernel("forward before the use", ms=5.0)
+    h = OPS.weight_prefetch(w, DEV)
+    got = OPS.wait(h, h, w.shape, w.stride(), w.dtype, DEV)
+    hw.kernel("matmul", reads=[got])
+    assert torch.equal(got, w)
+    assert hw.races == [] and hw.pageable_copies == []
+
+
+def test_the_optimizer_writes_a_host_weight_only_after_its_copies_read_it(hw):
+    """The fence (run before every optimizer step that holds a streamed weight) orders the host's
+    write after each copy still reading the weight."""
+    from fxckpt.runtime import weight_ops
+
+    w = _streamed_weight(hw)
+    h = OPS.weight_prefetch(w, DEV)
+    got = OPS.wait(h, h, w.shape, w.stride(), w.dtype, DEV)
+    hw.kernel("matmul", reads=[got])
+    del h
+    weight_ops.fence()
+    hw.host_access(w.data_ptr(), w.nbytes, write=True, what="optimizer step")
+    assert hw.races == []

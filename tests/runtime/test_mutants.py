@@ -42,6 +42,9 @@ MUTANTS = [
     ("runtime/cuda_engine.py", "released.record(compute)", 1, "pass"),
     ("runtime/transfer.py", "rec.src = src", 2, "pass"),  # the host tier's (#1: the disk tier's)
     ("runtime/pool.py", "if all(done() for done in checks):", 1, "if True:"),
+    # Streamed weights: the optimizer's host write waits for the copies still reading it.
+    ("runtime/weight_ops.py", "_pending(rec.h2d)", 1, "pass"),
+    ("runtime/weight_ops.py", "done.synchronize()", 1, "pass"),
 ]
 
 
