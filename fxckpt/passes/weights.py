@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxckpt.graph import meta
+from fxckpt.graph.sizes import numel_bytes
 from fxckpt.passes.offload import _handle_val
 
 STREAM_IN = torch.ops.fxckpt.stream_in.default
@@ -49,7 +50,7 @@ def _is_view(node: fx.Node) -> bool:
 
 def weight_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
-    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+    return numel_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def reserve_bytes(joint: fx.GraphModule) -> int:

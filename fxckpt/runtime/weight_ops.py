@@ -51,12 +51,6 @@ def host_ptrs() -> set[int]:
         return set(_HOST)
 
 
-def host_bytes() -> int:
-    """Bytes of those storages."""
-    with _HOST_LOCK:
-        return sum(_HOST.values())
-
-
 def adopt_host(t: torch.Tensor) -> torch.Tensor:
     """Count ``t``'s storage as fxckpt host memory for as long as the tensor ``t`` lives (a
     storage's Python object is made afresh at each ``untyped_storage()``, so the tensor, or the
@@ -114,15 +108,11 @@ def _(w: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
 
 
-def _setup(ctx: object, inputs: tuple[torch.Tensor, torch.device], output: torch.Tensor) -> None:
-    pass
-
-
 def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     return torch.ops.fxckpt.stream_out(grad), None
 
 
-stream_in.register_autograd(_backward, setup_context=_setup)
+stream_in.register_autograd(_backward)  # the backward needs nothing saved
 
 
 @torch.library.custom_op("fxckpt::stream_out", mutates_args=(), schema="(Tensor grad) -> Tensor",
