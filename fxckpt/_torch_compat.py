@@ -66,14 +66,11 @@ def dedup_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """``joint`` after min-cut's CSE pass, or None where ``torch._functorch.config.cse`` is off."""
     from torch._functorch import config
     from torch._functorch.compile_utils import fx_graph_cse
-    if not config.cse:
-        return None
-    return make_graph_module(joint, fx_graph_cse(joint.graph))
+    return make_graph_module(joint, fx_graph_cse(joint.graph)) if config.cse else None
 
 
-def min_cut_without_cse(
-    joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
-) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+def min_cut_without_cse(joint: torch.fx.GraphModule, joint_inputs: Any,
+                        **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """min-cut on a joint graph :func:`dedup_joint` already deduplicated."""
     from torch._functorch import config
     with config.patch(cse=False):
@@ -96,6 +93,7 @@ def outside_fake_mode() -> Any:
 
 
 OpOverload = torch._ops.OpOverload  # an aten/custom op at one overload: FX call targets
+CustomSchedulerPass: Any = getattr(inspect.getmodule(CustomPartitionerFn), "CustomSchedulerPass", None)  # None: torch lacks it
 
 
 def is_fake_tensor(t: torch.Tensor) -> bool:
@@ -121,9 +119,7 @@ def register_logging() -> None:
     if not registry.is_log("fxckpt"):
         _internal.register_log("fxckpt", "fxckpt")
     if not registry.is_artifact("fxckpt_plan"):
-        _internal.register_artifact(
-            "fxckpt_plan", "fxckpt's keep/recompute/offload plan for each compiled graph"
-        )
+        _internal.register_artifact("fxckpt_plan", "fxckpt's keep/recompute/offload plan for each compiled graph")
 
 
 def trace_plan_artifact(name: str, payload: str) -> None:
@@ -259,6 +255,30 @@ def cache_pinned_graphs() -> dict[str, Any]:
     }
 
 
+def step_peak_settings(step_pass: Any) -> tuple[dict[str, Any], str]:
+    """The setting that runs ``step_pass`` on each fused schedule if free; Inductor's cache dir."""
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    free = getattr(config, "_post_fusion_custom_pass", 0) is None and step_pass is not None
+    return ({"_post_fusion_custom_pass": step_pass} if free else {}), str(cache_dir())
+
+
+def scheduled_buffers(nodes: list[Any]) -> tuple[Any, list[set[str]], list[tuple[Any, ...]]]:
+    """A fused schedule's FX graph, the FX names of each step in the order Inductor will run
+    them, and per buffer (alloc, free, first step, last or -1, input name or ""), by its model."""
+    from torch._inductor import config, memory
+    from torch.utils._ordered_set import OrderedSet
+    g = torch._inductor.virtualized.V.graph
+    s, ins, outs = g.scheduler, OrderedSet(g.graph_inputs), OrderedSet(g.get_output_names())
+    memory.prepare_planning_info(nodes, s.name_to_buf, s.name_to_fused_node, ins, outs)
+    if config.reorder_for_peak_memory:  # what Scheduler does next to the same nodes
+        nodes = memory.reorder_for_peak_memory(list(nodes), s.name_to_buf, s.name_to_fused_node, ins, outs)
+    infos, _, _ = memory.compute_memory_timeline(nodes, memory.get_freeable_input_buf(nodes, ins), outs)
+    names = [{o.name for m in n.get_nodes() for o in getattr(m.node, "origins", ())} for n in nodes]
+    return g.module, names, [(b.size_alloc, b.size_free, b.start_step, b.end_step, b.buffer.get_name()
+                              if isinstance(b.buffer, memory.FreeableInputBuffer) else "") for b in infos]
+
+
 def inductor_channels_last_nodes(fw: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The nodes of a training forward whose 4-D values Inductor lays out channels-last."""
     from types import SimpleNamespace
@@ -375,8 +395,7 @@ def recompiling(fake_mode: Any) -> Any:
 
 def shape_guard_count(fake_mode: Any) -> int:
     """How many guards the shape environment of ``fake_mode`` holds (0 without one)."""
-    env = getattr(fake_mode, "shape_env", None)
-    return 0 if env is None else len(env.guards)
+    return 0 if (env := getattr(fake_mode, "shape_env", None)) is None else len(env.guards)
 
 
 def detect_fake_mode(inputs: Any) -> Any:
@@ -397,15 +416,9 @@ def start_memory_events() -> None:
     from torch._C import _autograd, _profiler
 
     from fxckpt._profiler_log import quiet_trace_lines
-    config = _profiler.ProfilerConfig(
-        _profiler.ProfilerState.KINETO,
-        False,  # report_input_shapes
-        True,  # profile_memory
-        False,  # with_stack
-        False,  # with_flops
-        False,  # with_modules
-        _profiler._ExperimentalConfig(),
-    )
+    # report_input_shapes, profile_memory, with_stack, with_flops, with_modules
+    config = _profiler.ProfilerConfig(_profiler.ProfilerState.KINETO, False, True, False, False,
+                                      False, _profiler._ExperimentalConfig())
     activities = {_profiler.ProfilerActivity.CPU}
     with quiet_trace_lines():
         _autograd._prepare_profiler(config, activities)

@@ -265,6 +265,7 @@ def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[s
     (:func:`fxckpt._torch_compat.cache_pinned_graphs`), and ``mode``'s settings. Nothing
     global changes, except that Inductor learns that the outputs of ``wait`` and ``wait_many``
     are aligned (:func:`fxckpt._torch_compat.assume_aligned_outputs`)."""
+    from fxckpt.passes import inductor_peak
     from fxckpt.runtime import bucket_ops, ops
 
     compat.assume_aligned_outputs(ops.WAIT)
@@ -272,6 +273,7 @@ def inductor_patches(partitioner: FxckptPartitioner, mode: str | None) -> dict[s
     return {
         "custom_partitioner_fn": partitioner,
         **compat.cache_pinned_graphs(),
+        **inductor_peak.settings(),
         **mode_patches(mode),
     }
 

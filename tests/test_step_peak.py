@@ -62,18 +62,42 @@ def test_the_prediction_round_trips_with_the_plan() -> None:
 @pytest.mark.slow
 @pytest.mark.inductor
 @pytest.mark.parametrize("budget", [0.5, 0.3])
-def test_under_inductor_the_predicted_step_peak_is_a_close_upper_bound(budget: float) -> None:
-    # Inductor keeps what it fuses inside its kernels (fxckpt.passes.schedule's
-    # fused_intermediates leaves those out) and inlines more than that model sees, so the
-    # prediction stays above the meter's peak, and within 10 % of it here (measured 4-7 %).
+def test_under_inductor_the_predicted_step_peak_is_inductors_own_and_the_measured_one(
+        budget: float) -> None:
+    # The graphs' liveness reads 6.8 % and 4.1 % above the meter here: it cannot see what
+    # Inductor inlines nor the order its scheduler picks. The plan reports the peak of
+    # Inductor's own schedules of the same graphs instead (fxckpt.passes.inductor_peak):
+    # measured 0.01 % and 1.9 % above the meter.
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = GPT(n_layers=6, d=64, dropout=None), gpt_inputs(batch=4, seq=64)
     backend = fxckpt.backend(memory_budget=budget, on_infeasible="warn")
-    measured = measure_step(torch.compile(model, backend=backend), inputs)
-    (plan,) = fxckpt.last_plans()
-    assert plan.predicted_step_peak_bytes is not None
-    assert measured.peak_bytes <= plan.predicted_step_peak_bytes <= 1.10 * measured.peak_bytes
+    # Compiled anew, into empty caches: the pass runs, and no figure another run kept is read.
+    with fresh():
+        measured = measure_step(torch.compile(model, backend=backend), inputs)
+        (plan,) = fxckpt.last_plans()
+    assert any(n.startswith("step peak from Inductor's schedules") for n in plan.notes)
+    assert plan.predicted_step_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+
+
+def test_the_scheduled_peak_leaves_out_what_exists_before_the_step_and_counts_restores_early() -> None:
+    from fxckpt.passes.inductor_peak import Tag, scheduled_peak
+
+    steps = [{"prefetch"}, {"mm"}, {"wait"}, {"add"}]
+    buffers = [
+        (100, 100, 0, 3, "weight"),  # a parameter: there before the step
+        (10, 10, 0, 1, "saved"),  # a saved tensor, freed after its last use
+        (50, 50, 1, 2, ""),  # mm's output
+        (40, 40, 2, 3, ""),  # the restored tensor, returned by its wait
+        (5, 5, 3, -1, ""),  # a gradient: a graph output, never freed
+    ]
+    plain = Tag("k", "bw", ("weight",))
+    assert scheduled_peak(steps, buffers, plain) == 90  # mm's output and the restored one
+    early = Tag("k", "bw", ("weight",), (("wait", "prefetch"),))
+    assert scheduled_peak(steps, buffers, early) == 100  # allocated at its prefetch, in step 0
 
 
 def test_what_inductor_fuses_is_left_out_of_the_step_peak() -> None:

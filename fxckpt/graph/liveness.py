@@ -121,6 +121,31 @@ def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
     return max(live_bytes_timeline(gm), default=0)
 
 
+def input_storages(fw: torch.fx.GraphModule) -> set[object]:
+    """Storages of the forward's inputs (parameters, buffers, the batch), whatever aliases
+    them later (a saved transpose of a weight): the two graphs' values share one fake mode, so
+    its storages too."""
+    return {key for n in fw.graph.find_nodes(op="placeholder")
+            if (key := storage_key(n.meta.get("val"))) is not None}
+
+
+def restores(bw: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], dict[torch.fx.Node, torch.fx.Node]]:
+    """The backward's waits, and each tensor they restore with the node where the engine
+    allocates its buffer: its prefetch, else its wait (a bucket's members are its getitems)."""
+    waits: set[torch.fx.Node] = set()
+    at: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in bw.graph.nodes:
+        if n.meta.get(meta.ROLE) != meta.ROLE_WAIT:
+            continue
+        waits.add(n)
+        ticket = n.args[1] if len(n.args) > 1 else None
+        start = ticket if getattr(ticket, "meta", {}).get(meta.ROLE) == meta.ROLE_PREFETCH else n
+        members = [u for u in n.users if u.op == "call_function"] if isinstance(
+            n.meta.get("val"), (list, tuple)) else [n]
+        at.update((m, start) for m in members)  # type: ignore[misc]
+    return waits, at
+
+
 def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
                     transient: Collection[torch.fx.Node] = ()) -> int:
     """The peak of the memory one training step allocates, predicted from the liveness of its
@@ -133,32 +158,18 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
     Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
     ``transient``: nodes of either graph whose values never reach memory (what Inductor
-    computes inside a fused kernel), which count nothing.
+    computes inside a fused kernel), which count nothing. Under Inductor the plan reports
+    Inductor's own figure where it has one (:mod:`fxckpt.passes.inductor_peak`).
     """
-    # Storages of the forward's inputs, whatever aliases them later (a saved transpose of a
-    # weight): the two graphs' values share one fake mode, so its storages too.
-    inputs = {key for n in fw.graph.find_nodes(op="placeholder")
-              if (key := storage_key(n.meta.get("val"))) is not None}
+    inputs = input_storages(fw)
     fw_live = live_bytes_timeline(fw, counted=lambda n: n not in transient, skip_storages=inputs)
     pos = {n: k for k, n in enumerate(bw.graph.nodes)}
-    early: dict[torch.fx.Node, int] = {}
-    fresh: dict[torch.fx.Node, int] = {}
-    waits = set()
-    for n in bw.graph.nodes:
-        if n.meta.get(meta.ROLE) != meta.ROLE_WAIT:
-            continue
-        waits.add(n)
-        ticket = n.args[1] if len(n.args) > 1 else None
-        at = pos[ticket] if getattr(ticket, "meta", {}).get(meta.ROLE) == meta.ROLE_PREFETCH else pos[n]  # type: ignore[index]
-        # One fresh span per restored tensor; a bucket's come out of its wait by getitem.
-        members = [u for u in n.users if u.op == "call_function"] if isinstance(
-            n.meta.get("val"), (list, tuple)) else [n]
-        for m in members:
-            early[m], fresh[m] = at, span_bytes(m.meta.get("val"))
+    waits, at = restores(bw)
     bw_live = live_bytes_timeline(
         # A bucket's wait names its members' storages; each member counts, as its getitem.
-        bw, counted=lambda n: n not in waits and n not in transient, allocated_at=early,
+        bw, counted=lambda n: n not in waits and n not in transient,
+        allocated_at={m: pos[a] for m, a in at.items()},
         skip_storages=inputs,
-        fresh=fresh,
+        fresh={m: span_bytes(m.meta.get("val")) for m in at},
     )
     return max([*fw_live, *bw_live], default=0)

@@ -16,6 +16,7 @@ ROLE_PREFETCH = "prefetch"
 ROLE_WAIT = "wait"
 ROLE_NOTE = "note"
 SOURCE = "fxckpt.source"  # name of the saved node an inserted node acts for
+STEP_PEAK = "fxckpt.step_peak"  # passes.inductor_peak.Tag, on each graph's output node
 
 # Written by torch (read only).
 NN_MODULE_STACK = "nn_module_stack"

@@ -59,6 +59,7 @@ from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
 from fxckpt.passes.cutting import gc_frozen, min_cut
+from fxckpt.passes.inductor_peak import tag_graphs
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
 from fxckpt.passes.pipeline import Stage, run
@@ -368,6 +369,8 @@ def _note(ctx: Context) -> None:
     resident = resident_names(ctx.fw, ctx.part.saved, ctx.attempt.decision)
     anchor = ctx.device if ctx.inductor else None
     ctx.fw = insert_note(ctx.fw, resident, payload, anchor_device=anchor)
+    if ctx.inductor:  # Inductor's schedules of the two graphs give the step peak it allocates
+        tag_graphs(ctx.fw, ctx.bw, payload)
 
 
 def _pin_positions(ctx: Context) -> None:
