@@ -19,10 +19,11 @@ A LoRA decoder-shaped stack (frozen base linears, trainable rank-8 adapters), tr
   a hook after it frees them; the backward swaps each block in again.
 
 Per method, measured: the step time (median of the timed steps), the absolute device peak
-over a step, and gradient equality with the resident run. The absolute figure, on the CPU, is
-what the step starts with on the device (the storages of the model's parameters, buffers and
-gradients and of the input, fxckpt's host memory left out) plus the allocator's peak above that
-level during the step (``fxckpt.measure``): neither reads a plan.
+over a step, and gradient equality with the resident run. The absolute figure is
+``fxckpt.measure``'s ``absolute_peak_bytes``: on the CPU, what the step starts with on the
+device (the storages of the model's parameters, buffers and gradients and of the input,
+fxckpt's host memory left out) plus the allocator's peak above that level during the step.
+Neither reads a plan.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import torch
 import torch.nn as nn
 
 import fxckpt
-from fxckpt.runtime import pool, weight_ops
 
 
 class LoRALinear(nn.Module):
@@ -86,33 +86,16 @@ def _flops_per_s(d: int, tokens: int) -> float:
     return 5 * 2 * tokens * d * 4 * d / (time.perf_counter() - t0)
 
 
-def _device_bytes_now(model: nn.Module, x: torch.Tensor, exclude: set[int]) -> int:
-    """The bytes the step starts with on the device: the storages of the model's parameters,
-    buffers and gradients and of the input, each once, fxckpt's host memory (and ``exclude``,
-    the eager swap's host copies) left out."""
-    host = weight_ops.host_ptrs() | pool.host_buffer_ptrs("cpu") | exclude
-    seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers(), x]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in host:
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _swap(model: Stack) -> set[int]:
+def _swap(model: Stack) -> None:
     """An eager block swap: each block's base weights copied in before it runs, through the
     emulated link, and dropped after; each block is checkpointed, so its backward re-runs it
     (and swaps its weights in again) first."""
     from fxckpt import _link
 
     link = _link.current()
-    hosts: set[int] = set()
     for block in model.blocks:
         bases = [m.base for m in (block.fc1, block.fc2)]
         host = [b.weight.detach().clone() for b in bases]
-        hosts |= {h.data_ptr() for h in host}
         forward = block.forward
 
         def swapped(y: torch.Tensor, bases: list = bases, host: list = host, f: Any = forward) -> torch.Tensor:
@@ -128,29 +111,26 @@ def _swap(model: Stack) -> set[int]:
         for b in bases:
             b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         block.forward = lambda x, g=swapped: torch.utils.checkpoint.checkpoint(g, x, use_reentrant=False)
-    return hosts
 
 
 def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int) -> dict[str, Any]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Stack(d, depth)
-    exclude: set[int] = set()
     if method == "fxckpt stream":
         fxckpt.stream_weights(model, frozen_only=True)
     run_model: Any = model
     if method == "eager swap":
-        exclude = _swap(model)
+        _swap(model)
     else:
         run_model = torch.compile(model, backend="fxckpt", options={"compiler": "eager"})
     times, peaks = [], []
     for _ in range(steps + 1):
         model.zero_grad(set_to_none=True)
-        start_bytes = _device_bytes_now(model, x, exclude)
         t0 = time.perf_counter()
-        m = fxckpt.measure(lambda: run_model(x).backward())
+        m = fxckpt.measure(lambda: run_model(x).backward(), holding=(model, x))
         times.append(time.perf_counter() - t0)
-        peaks.append(start_bytes + m.peak_bytes)
+        peaks.append(m.absolute_peak_bytes)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"method": method, "step_ms": statistics.median(times[1:]) * 1e3,
             "absolute_peak_bytes": max(peaks[1:]), "grads": grads}

@@ -18,6 +18,12 @@ Only tensors allocated during the call count, so what it left behind is the diff
 made: saved activations, outputs, anything a runtime still holds. Memory freed during the call
 that existed before it is not credited on the CPU (the profiler reports only frees of blocks it
 saw allocated); on CUDA it is.
+
+The absolute figure, ``start_bytes + peak_bytes``, also counts what the device held when the call
+began: resident weights, their gradients, the inputs. CUDA's allocator knows it. The CPU's does
+not, so there it is the storages of the tensors the call was given (``holding``: a model's
+parameters, buffers and gradients, and tensors), each once, with fxckpt's host memory left out:
+a weight fxckpt streams from host memory is not on the device.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ class Measurement:
     - ``output_bytes``: storages of the tensors the call returned on ``device``, each once.
     - ``held_bytes``: ``resident_bytes - output_bytes``: what the call keeps alive beyond what
       it returns (for a training forward: what waits for the backward).
+    - ``start_bytes``: what the device held when the call began (CUDA: the allocator's figure;
+      CPU: the storages of ``holding``, less fxckpt's host memory).
+    - ``absolute_peak_bytes``: ``start_bytes + peak_bytes``, every byte on the device at the
+      call's peak.
     """
 
     device: str
@@ -56,10 +66,15 @@ class Measurement:
     output_bytes: int
     source: str
     output: Any = dataclasses.field(default=None, repr=False, compare=False)
+    start_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
         return self.resident_bytes - self.output_bytes
+
+    @property
+    def absolute_peak_bytes(self) -> int:
+        return self.start_bytes + self.peak_bytes
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -68,6 +83,8 @@ class Measurement:
             "peak_bytes": self.peak_bytes,
             "output_bytes": self.output_bytes,
             "held_bytes": self.held_bytes,
+            "start_bytes": self.start_bytes,
+            "absolute_peak_bytes": self.absolute_peak_bytes,
             "source": self.source,
         }
 
@@ -121,8 +138,32 @@ def _host_ptrs() -> set[int]:
     # (pool buffers, offload handles), which on a GPU would not be device memory at all.
     from fxckpt.runtime.ops import handle_ptrs
     from fxckpt.runtime.pool import host_buffer_ptrs
+    from fxckpt.runtime.weight_ops import host_ptrs
 
-    return host_buffer_ptrs("cpu") | handle_ptrs()
+    return host_buffer_ptrs("cpu") | handle_ptrs() | host_ptrs()
+
+
+def held_on_device(holding: Any, device: torch.device) -> int:
+    """Bytes of the storages on ``device`` that ``holding`` reaches, each once, fxckpt's host
+    memory left out: a module's parameters, buffers and their gradients, and any tensors (in
+    lists, tuples, dicts)."""
+    tensors: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(holding):
+        if isinstance(leaf, torch.nn.Module):
+            params = list(leaf.parameters())
+            tensors += [*params, *leaf.buffers(), *(p.grad for p in params if p.grad is not None)]
+        elif isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+    host = _host_ptrs() if device.type == "cpu" else set()
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not _same_device(t.device, device):
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in host:
+            seen[ptr] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _output_bytes(output: Any, device: torch.device, live: dict[int, int] | None) -> int:
@@ -143,10 +184,13 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 class Meter:
     """``with fxckpt.Meter("cpu") as m: ...``; then ``m.result`` is a :class:`Measurement`.
 
-    Call :meth:`set_output` inside the block to have ``output_bytes`` counted.
+    Call :meth:`set_output` inside the block to have ``output_bytes`` counted. ``holding``:
+    what the device holds at the start, for ``start_bytes`` on the CPU (see the module's
+    docstring); CUDA's allocator counts it itself.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", *, cuda: CudaCounters | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, cuda: CudaCounters | None = None,
+                 holding: Any = None) -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise FxckptError(
@@ -158,6 +202,7 @@ class Meter:
         self._cuda = cuda if cuda is not None else (CudaCounters() if dev.type == "cuda" else None)
         self._output: Any = None
         self._start = 0
+        self._holding = holding
         self.result: Measurement | None = None
 
     def set_output(self, output: Any) -> None:
@@ -175,6 +220,7 @@ class Meter:
                     "the CPU meter needs the profiler's memory reports itself; measure outside "
                     "the profiler session"
                 )
+            self._start = held_on_device(self._holding, self.device)
             compat.start_memory_events()
         return self
 
@@ -198,7 +244,7 @@ class Meter:
             source = CPU_SOURCE
         if kind is None:
             self.result = Measurement(
-                str(self.device), resident, peak, out, source, self._output
+                str(self.device), resident, peak, out, source, self._output, self._start
             )
 
 
@@ -213,7 +259,8 @@ def _device_of(fn: Callable[..., Any], args: Any) -> torch.device:
 
 
 def measure(
-    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None, **kwargs: Any
+    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None,
+    holding: Any = None, **kwargs: Any,
 ) -> Measurement:
     """Call ``fn(*args, **kwargs)`` once and measure its memory on ``device``.
 
@@ -221,11 +268,16 @@ def measure(
     first parameter when it is a module, else the CPU. The result keeps the call's return value
     as ``output`` (a loss, say, whose ``backward()`` you still want to run).
 
+    ``holding`` (default: ``fn`` and the arguments) is what the device holds when the call
+    begins, for ``start_bytes`` and ``absolute_peak_bytes`` on the CPU: modules (their
+    parameters, buffers and gradients) and tensors. Give the model when ``fn`` is a closure:
+    ``fxckpt.measure(lambda: model(x).sum().backward(), holding=(model, x))``.
+
     Measure a warm call: the first call of a compiled model compiles, and its allocations
     would count. On the CPU only the calling thread's allocations are seen.
     """
     dev = torch.device(device) if device is not None else _device_of(fn, (args, kwargs))
-    meter = Meter(dev)
+    meter = Meter(dev, holding=(fn, args, kwargs) if holding is None else holding)
     with meter:
         meter.set_output(fn(*args, **kwargs))
     assert meter.result is not None

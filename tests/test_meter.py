@@ -101,6 +101,31 @@ def test_host_pool_buffers_are_host_memory_not_device() -> None:
     assert m.resident_bytes == 1024
 
 
+def test_the_absolute_peak_counts_what_the_device_held_at_the_start_each_storage_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 100))
+    model[1].weight = torch.nn.Parameter(model[0].weight.t())  # a view: its storage counts once
+    x = torch.randn(8, 100)
+    model(x).sum().backward()  # gradients held at the start count too
+    params = (100 * 50 + 50 + 100) * 4  # the shared weight's storage once, the two biases
+    grads = params + 100 * 50 * 4  # the tied weight's two .grad tensors are two storages
+    m = fxckpt.measure(model, x)
+    assert m.start_bytes == params + grads + x.nbytes
+    assert m.absolute_peak_bytes == m.start_bytes + m.peak_bytes
+    # A closure reaches nothing: the model is named with ``holding``.
+    assert fxckpt.measure(lambda: model(x)).start_bytes == 0
+    assert fxckpt.measure(lambda: model(x), holding=[model]).start_bytes == params + grads
+
+
+def test_streamed_weights_are_host_memory_in_the_absolute_figure() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    x = torch.randn(4, 256)
+    resident = fxckpt.measure(model, x).start_bytes
+    fxckpt.stream_weights(model, min_bytes=2**11)  # both weights; the 1 KiB biases stay
+    m = fxckpt.measure(model, x)
+    assert resident - m.start_bytes == 2 * 256 * 256 * 4
+    assert m.start_bytes == 2 * 256 * 4 + x.nbytes
+
+
 def test_net_allocations_pairs_frees_with_allocations_by_address() -> None:
     events = [
         (1, 0xA, 100, "cpu"),
@@ -173,6 +198,8 @@ def test_cuda_meter_arithmetic_resets_the_peak_and_synchronizes_before_reading()
     assert m is not None
     assert (m.resident_bytes, m.peak_bytes) == (250, 900)
     assert fake.calls == ["sync", "reset", "allocated", "sync", "allocated", "max"]
+    # The level the call began at is the allocator's own (FakeCuda starts at 100 bytes).
+    assert (m.start_bytes, m.absolute_peak_bytes) == (100, 1000)
 
 
 def test_measuring_inside_a_profiler_session_is_refused() -> None:
