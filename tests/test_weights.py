@@ -277,3 +277,26 @@ def test_a_device_budget_the_weights_alone_fill_is_a_typed_error_naming_the_leas
         compiled(torch.randn(8, 64, requires_grad=True))
     with pytest.raises(OptionsError, match="device_budget"):
         fxckpt.Options(device_budget=0.5)
+
+
+def test_a_host_weight_dying_while_the_registry_is_locked_does_not_deadlock() -> None:
+    """The garbage collector may run a host weight's finalizer in the middle of any locked
+    registry update on the same thread (it did, in weight_prefetch): the finalizer must not
+    wait for that lock."""
+    import gc
+    import threading
+
+    def die_inside_the_lock() -> None:
+        t = weight_ops.adopt_host(torch.ones(16))
+        ptr = t.untyped_storage().data_ptr()
+        cycle: list[object] = [t]
+        cycle.append(cycle)  # only the collector frees it
+        del t, cycle
+        with weight_ops._HOST_LOCK:
+            gc.collect()
+        assert ptr not in weight_ops.host_ptrs()
+
+    worker = threading.Thread(target=die_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the host weight's finalizer waited for the lock its own thread held"

@@ -64,8 +64,10 @@ def adopt_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _forget(ptr: int) -> None:
-    with _HOST_LOCK:
-        _HOST.pop(ptr, None)
+    # Runs from weakref.finalize: possibly inside the garbage collector, on any thread, and on
+    # this one while it holds _HOST_LOCK (a collection can start at any allocation there). It
+    # takes no lock: dict.pop is atomic.
+    _HOST.pop(ptr, None)
 
 
 def is_host(t: torch.Tensor) -> bool:
