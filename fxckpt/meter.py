@@ -22,8 +22,9 @@ saw allocated); on CUDA it is.
 The absolute figure, ``start_bytes + peak_bytes``, also counts what the device held when the call
 began: resident weights, their gradients, the inputs. CUDA's allocator knows it. The CPU's does
 not, so there it is the storages of the tensors the call was given (``holding``: a model's
-parameters, buffers and gradients, and tensors), each once, with fxckpt's host memory left out:
-a weight fxckpt streams from host memory is not on the device.
+parameters, buffers and gradients, and tensors), each once, with fxckpt's host memory left out
+(a weight fxckpt streams from host memory is not on the device), and the streamed weights'
+device copies that fxckpt keeps across steps.
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def _host_ptrs() -> set[int]:
 def held_on_device(holding: Any, device: torch.device) -> int:
     """Bytes of the storages on ``device`` that ``holding`` reaches, each once, fxckpt's host
     memory left out: a module's parameters, buffers and their gradients, and any tensors (in
-    lists, tuples, dicts)."""
-    tensors: list[torch.Tensor] = []
+    lists, tuples, dicts); and the streamed weights' device copies fxckpt keeps across steps."""
+    from fxckpt.runtime.weight_ops import resident_copies
+
+    tensors: list[torch.Tensor] = resident_copies()
     for leaf in pytree.tree_leaves(holding):
         if isinstance(leaf, torch.nn.Module):
             params = list(leaf.parameters())

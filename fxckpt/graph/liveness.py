@@ -152,8 +152,9 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     partitioned forward and backward graphs as fxckpt's rewrite left them.
 
     Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
-    batch; the backward takes the parameters it needs as inputs too), and host memory (the
-    offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
+    batch; the backward takes the parameters it needs as inputs too; the streamed weights'
+    device copies the plan keeps across steps, ``fxckpt::resident_weight``), and host memory
+    (the offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
     saved tensors, freed at their last use; the tangents), what it computes and recomputes,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
     Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
@@ -162,6 +163,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     Inductor's own figure where it has one (:mod:`fxckpt.passes.inductor_peak`).
     """
     inputs = input_storages(fw)
+    transient = {*transient, *(n for gm in (fw, bw) for n in gm.graph.nodes
+                               if str(n.target) == "fxckpt.resident_weight.default")}  # fmt: skip
     fw_live = live_bytes_timeline(fw, counted=lambda n: n not in transient, skip_storages=inputs)
     pos = {n: k for k, n in enumerate(bw.graph.nodes)}
     waits, at = restores(bw)

@@ -45,7 +45,6 @@ from fxckpt._torch_compat import (
     lazy_graph_modules,
     trace_plan_artifact,
 )
-from fxckpt.errors import OptionsError
 from fxckpt.graph.activations import (
     SavedActivation,
     bytes_per_storage,
@@ -80,7 +79,7 @@ from fxckpt.passes.shape_budget import (
     sizes_note,
     upper_bounds_to_plan_for,
 )
-from fxckpt.passes.weights import reserve_bytes, schedule_streams, tag_streamed
+from fxckpt.passes.weights import activation_room, place_weights, tag_streamed
 from fxckpt.planning import step_budget
 from fxckpt.planning.plan import Plan, describe_assumptions
 from fxckpt.planning.plan_round import Partition, infeasible, settle, timeline
@@ -191,10 +190,11 @@ def _tag_weights(ctx: Context) -> None:
 
 def _weight_copies(ctx: Context) -> None:
     assert ctx.fw is not None and ctx.bw is not None and ctx.plan is not None
-    profile = ctx.options.runtime_settings().key()
-    ctx.fw, ctx.bw = schedule_streams(ctx.fw, profile), schedule_streams(ctx.bw, profile)
-    ctx.plan.notes.append(f"{ctx.streamed} streamed weight use(s): each a host-to-device copy "
-                          "issued ahead of its use, in the forward and again in the backward")
+    total = ctx.options.device_budget
+    room = None if total is None else int(total) - ctx.plan.resident_peak_bytes
+    ctx.fw, ctx.bw, ctx.plan.weights, note = place_weights(
+        ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room)
+    ctx.plan.notes.append(note)
 
 
 def _blocks(ctx: Context) -> None:
@@ -224,18 +224,7 @@ def _budget(ctx: Context) -> None:
 def _device_budget(ctx: Context) -> None:
     """Under ``device_budget``: what the streamed weights do not take bounds the saved
     activations (with ``memory_budget``, the smaller of the two)."""
-    total = ctx.options.device_budget
-    assert isinstance(total, int)  # parsed to bytes by Options
-    reserve = reserve_bytes(ctx.joint)
-    if total <= reserve:
-        raise OptionsError(
-            "device_budget", total,
-            f"more than {reserve} bytes for this graph: its streamed weights' copies take up to "
-            f"{reserve} (three times its largest streamed weight, {reserve // 3} bytes), and its "
-            "saved activations need some too",
-            f"graph {ctx.graph_name}",
-        )  # fmt: skip
-    room = total - reserve
+    room = activation_room(ctx.joint, ctx.options.device_budget, ctx.graph_name)
     ctx.budget = room if ctx.budget is None else min(ctx.budget, room)
 
 

@@ -6,8 +6,11 @@ Two steps:
   the views of its output must be recomputed, so no partition ever saves a weight's device
   copy for the backward; the backward streams the weight again from its host parameter (which
   the backward holds anyway: a parameter costs no new memory).
-- :func:`schedule_streams`, on the forward and the backward after the partition: each
-  ``stream_in`` becomes a ``fxckpt::weight_prefetch`` issued ahead of the use and the
+- :func:`plan_weights`, after the activations' plan: under ``device_budget``, the room the
+  saved activations and the streamed copies leave holds weights whose device copy the plan
+  keeps across steps (``resident``); every other weight streams. One row per weight.
+- :func:`schedule_streams`, on the forward and the backward after the partition: a resident
+  weight's ``stream_in`` becomes ``fxckpt::resident_weight``; every other ``stream_in`` becomes a ``fxckpt::weight_prefetch`` issued ahead of the use and the
   activations' ``fxckpt::wait`` at the use. A prefetch is issued right after the wait of an
   earlier weight, as far back as ``lead_bytes`` of weights in flight allow (at least the one
   before it), so the copy of one weight runs behind the compute on the weights before it. Both
@@ -16,15 +19,21 @@ Two steps:
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxckpt.errors import OptionsError
 from fxckpt.graph import meta
+from fxckpt.graph.blocks import node_module
 from fxckpt.graph.sizes import numel_bytes
 from fxckpt.passes.offload import _handle_val
+from fxckpt.planning.plan import PlannedWeight
 
 STREAM_IN = torch.ops.fxckpt.stream_in.default
+RESIDENT = torch.ops.fxckpt.resident_weight.default
 # Checkpoint-region id of the streamed weights' nodes, apart from any user's and any segment's.
 _AC_GRAPH_ID = 3_000_000
 
@@ -61,14 +70,108 @@ def reserve_bytes(joint: fx.GraphModule) -> int:
     return 3 * max(sizes, default=0)
 
 
-def schedule_streams(gm: fx.GraphModule, profile: str | None, lead_bytes: int | None = None
-                     ) -> fx.GraphModule:
-    """Replace each ``stream_in`` of ``gm`` by a prefetch ahead of it and a wait at it.
+def activation_room(joint: fx.GraphModule, total: object, graph_name: str) -> int:
+    """What ``device_budget`` (``total`` bytes) leaves the saved activations of ``joint``
+    beside its streamed weights' copies (:func:`reserve_bytes`); too little is an error."""
+    assert isinstance(total, int)  # parsed to bytes by Options
+    reserve = reserve_bytes(joint)
+    if total <= reserve:
+        raise OptionsError(
+            "device_budget", total,
+            f"more than {reserve} bytes for this graph: its streamed weights' copies take up to "
+            f"{reserve} (three times its largest streamed weight, {reserve // 3} bytes), and its "
+            "saved activations need some too",
+            f"graph {graph_name}",
+        )  # fmt: skip
+    return total - reserve
+
+
+def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None) -> list[PlannedWeight]:
+    """Where each streamed weight of the partitioned graphs lives: ``room`` (``None``: no
+    device budget) is what the device budget leaves after the saved activations' planned
+    peak. A weight is kept resident while its copy, the copies kept before it and the streamed
+    weights' in-flight copies (three times the largest still streamed) fit in it: the weights
+    used most often first (forward and backward before forward only), then the larger ones
+    (each saves that many bytes of copies per step), then the earlier in the forward (the
+    first copy of each pass has no compute to hide behind)."""
+    found: dict[str, dict] = {}
+    for gm, side in ((fw, "forward"), (bw, "backward")):
+        for node in gm.graph.find_nodes(op="call_function", target=STREAM_IN):
+            host = node.args[0]
+            assert isinstance(host, fx.Node)
+            row = found.setdefault(host.name, {"node": node, "forward": 0, "backward": 0})
+            row[side] += 1
+    sizes = {name: weight_bytes(row["node"]) for name, row in found.items()}
+    rank = {name: k for k, name in enumerate(found)}  # forward order: found walks fw first
+    order = sorted(found, key=lambda n: (-(found[n]["forward"] + found[n]["backward"]), -sizes[n], rank[n]))
+    resident: list[str] = []
+    streamed = set(found)
+    if room is not None:
+        for name in order:
+            rest = [sizes[n] for n in streamed if n != name]
+            if sum(sizes[n] for n in resident) + sizes[name] + 3 * max(rest, default=0) <= room:
+                resident.append(name)
+                streamed.discard(name)
+    kept = sum(sizes[n] for n in resident)
+    rows = []
+    for name in found:
+        node, val = found[name]["node"], found[name]["node"].meta["val"]
+        if name in streamed:
+            reason = ("no device_budget: streamed, as fxckpt.stream_weights chose" if room is None else
+                      f"streamed: the {max(room, 0)} bytes the device budget leaves after the saved "
+                      f"activations hold {kept} bytes of resident copies and the streamed ones in flight")  # fmt: skip
+        else:
+            reason = (f"resident: its copy fits in the {room} bytes the device budget leaves after "
+                      f"the saved activations; saves {sizes[name] * (found[name]['forward'] + found[name]['backward'])} "
+                      "bytes of copies per step")  # fmt: skip
+        rows.append(PlannedWeight(
+            name=name, parameter=_parameter_path(node), shape=tuple(val.shape), dtype=str(val.dtype).removeprefix("torch."),
+            bytes=sizes[name], forward_uses=found[name]["forward"], backward_uses=found[name]["backward"],
+            decision="stream" if name in streamed else "resident", reason=reason,
+        ))  # fmt: skip
+    return rows
+
+
+def place_weights(fw: fx.GraphModule, bw: fx.GraphModule, profile: str | None, room: int | None
+                  ) -> tuple[fx.GraphModule, fx.GraphModule, list[PlannedWeight], str]:
+    """:func:`plan_weights`, then :func:`schedule_streams` on both graphs: the graphs, the
+    plan's weight rows, and its note."""
+    rows = plan_weights(fw, bw, room)
+    resident = frozenset(w.name for w in rows if w.decision == "resident")
+    fw = schedule_streams(fw, profile, resident=resident)
+    bw = schedule_streams(bw, profile, resident=resident)
+    kept = sum(w.bytes for w in rows if w.decision == "resident")
+    h2d = sum(w.step_h2d_bytes for w in rows)
+    note = (f"{len(rows)} streamed weight(s): {len(rows) - len(resident)} copied to the device "
+            f"ahead of each use, in the forward and again in the backward ({h2d} bytes per "
+            f"step); {len(resident)} kept on the device across steps ({kept} bytes)")
+    return fw, bw, rows, note
+
+
+def _parameter_path(stream: fx.Node) -> str:
+    """The streamed parameter's path in the model: the parametrization's module path
+    (``blocks.0.fc.parametrizations.weight.0``) as the parameter it stands for."""
+    return _PARAMETRIZATION.sub(r".\1", node_module(stream))
+
+
+_PARAMETRIZATION = re.compile(r"\.parametrizations\.(\w+)\.\d+$")
+
+
+def schedule_streams(gm: fx.GraphModule, profile: str | None, lead_bytes: int | None = None,
+                     resident: frozenset[str] = frozenset()) -> fx.GraphModule:
+    """Replace each ``stream_in`` of ``gm`` by a prefetch ahead of it and a wait at it, or, for
+    a host weight named in ``resident``, by ``fxckpt::resident_weight``.
 
     ``lead_bytes``: how many bytes of weights may be on their way at once; ``None``: twice the
     largest streamed weight of the graph."""
-    streams = list(gm.graph.find_nodes(op="call_function", target=STREAM_IN))
+    streams = []
+    for node in list(gm.graph.find_nodes(op="call_function", target=STREAM_IN)):
+        if getattr(node.args[0], "name", None) in resident:
+            node.target = RESIDENT
+        else:
+            streams.append(node)
     if not streams:
+        gm.recompile()
         return gm
     sizes = [weight_bytes(n) for n in streams]
     lead = 2 * max(sizes) if lead_bytes is None else lead_bytes

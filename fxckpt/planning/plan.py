@@ -110,6 +110,51 @@ class PlannedActivation:
         )
 
 
+WeightDecision = Literal["stream", "resident"]
+
+
+@dataclass(frozen=True)
+class PlannedWeight:
+    """One streamed weight of the graph (:func:`fxckpt.stream_weights`) and where it lives.
+
+    ``stream``: copied to the device ahead of each use, forward and backward, and freed after
+    it. ``resident``: one device copy kept across steps (made again only after the host weight
+    is written), in the room the device budget leaves."""
+
+    name: str  # the host weight's input to the graph
+    parameter: str  # its path in the model, as named before fxckpt.stream_weights
+    shape: tuple[Any, ...]
+    dtype: str
+    bytes: int
+    forward_uses: int
+    backward_uses: int
+    decision: WeightDecision
+    reason: str
+
+    @property
+    def step_h2d_bytes(self) -> int:
+        """Bytes this weight moves to the device in a step (a resident copy's first fill and
+        its refills after the optimizer's writes are not counted)."""
+        return 0 if self.decision == "resident" else self.bytes * (self.forward_uses + self.backward_uses)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "parameter": self.parameter,
+            "shape": [str(s) if not isinstance(s, int) else s for s in self.shape],
+            "dtype": self.dtype, "bytes": self.bytes, "forward_uses": self.forward_uses,
+            "backward_uses": self.backward_uses, "decision": self.decision, "reason": self.reason,
+            "step_h2d_bytes": self.step_h2d_bytes,
+        }  # fmt: skip
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> PlannedWeight:
+        return PlannedWeight(
+            name=d["name"], parameter=d["parameter"], shape=tuple(d["shape"]), dtype=d["dtype"],
+            bytes=int(d["bytes"]), forward_uses=int(d["forward_uses"]),
+            backward_uses=int(d["backward_uses"]), decision=d["decision"], reason=d["reason"],
+        )  # fmt: skip
+
+
 def _bytes_per_storage(rows: list[PlannedActivation], kind: str, tier: str | None = None) -> int:
     seen: set[str] = set()
     total = 0
@@ -147,6 +192,18 @@ class Plan:
     # them (in this graph's baseline and peak), this plan's figures do not; written only
     # where nonzero.
     step_inputs_bytes: int = 0
+    # Streamed weights (fxckpt.stream_weights): each one's uses and where it lives.
+    weights: list[PlannedWeight] = field(default_factory=list)
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Device bytes of the streamed weights' copies kept across steps."""
+        return sum(w.bytes for w in self.weights if w.decision == "resident")
+
+    @property
+    def weight_h2d_bytes(self) -> int:
+        """Bytes of weights copied to the device per step."""
+        return sum(w.step_h2d_bytes for w in self.weights)
 
     @property
     def kept_bytes(self) -> int:
@@ -193,7 +250,11 @@ class Plan:
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
             "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
-        } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {})
+        } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {}) | (
+            {"weights": [w.to_dict() for w in self.weights],
+             "resident_weight_bytes": self.resident_weight_bytes,
+             "weight_h2d_bytes": self.weight_h2d_bytes} if self.weights else {}
+        )  # fmt: skip
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
@@ -210,6 +271,7 @@ class Plan:
             assumptions={k: dict(v) for k, v in d.get("assumptions", {}).items()},
             predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
             step_inputs_bytes=int(d.get("step_inputs_bytes", 0)),
+            weights=[PlannedWeight.from_dict(w) for w in d.get("weights", [])],
         )
 
     def summary(self) -> str:
@@ -225,6 +287,10 @@ class Plan:
             f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}"
             + (f" ({mib(self.disk_bytes)} to disk)" if self.disk_bytes else "")
             + f", recomputed {mib(self.recomputed_bytes)}"
+            + (f"; weights: {sum(w.decision == 'stream' for w in self.weights)} streamed "
+               f"({mib(self.weight_h2d_bytes)} per step), "
+               f"{sum(w.decision == 'resident' for w in self.weights)} resident "
+               f"({mib(self.resident_weight_bytes)})" if self.weights else "")
         )
 
 

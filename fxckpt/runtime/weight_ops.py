@@ -8,6 +8,11 @@ on the compute side. The backend splits each ``stream_in`` of a compiled graph i
 queue, and the activations' own ``fxckpt::wait`` before the use (:mod:`fxckpt.passes.weights`).
 The device copy is an ordinary tensor of the graph, freed after its last use.
 
+Where a device budget leaves room, the plan keeps a weight's device copy across steps instead:
+``fxckpt::resident_weight`` returns one copy per host weight, made at the first use and made
+again only after the host weight is written (its version counter moves: the optimizer's step,
+``load_state_dict``). It is dropped with the host weight.
+
 A trainable weight's gradient leaves the device through ``fxckpt::stream_out``, the backward
 of ``stream_in``: a device-to-host copy into a new host tensor that autograd accumulates into
 the host parameter's ``.grad``.
@@ -41,6 +46,9 @@ _HOST_LOCK = threading.Lock()
 # The completions (futures, CUDA events) of weight copies that may still be reading host
 # memory; a record's own may be cleared when its handle dies, before the copy is known done.
 _IN_FLIGHT: list[object] = []
+# (host storage address, offset, shape, stride, device) -> (the host weight's version when
+# copied, its device copy): the copies the plan keeps on the device across steps.
+_RESIDENT: dict[tuple[object, ...], tuple[int, torch.Tensor]] = {}
 _DONE: Future[None] = Future()
 _DONE.set_result(None)
 
@@ -66,8 +74,11 @@ def adopt_host(t: torch.Tensor) -> torch.Tensor:
 def _forget(ptr: int) -> None:
     # Runs from weakref.finalize: possibly inside the garbage collector, on any thread, and on
     # this one while it holds _HOST_LOCK (a collection can start at any allocation there). It
-    # takes no lock: dict.pop is atomic.
+    # takes no lock: dict.pop is atomic, and so is list() of a dict's keys.
     _HOST.pop(ptr, None)
+    for key in list(_RESIDENT):
+        if key[0] == ptr:
+            _RESIDENT.pop(key, None)
 
 
 def is_host(t: torch.Tensor) -> bool:
@@ -86,12 +97,14 @@ def _check_host(w: torch.Tensor, op: str) -> None:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
-    """One copy on the compute side; through the emulated link, when there is one."""
+    """One copy on the compute side, complete on return (so the optimizer may write the host
+    weight at once after); through the emulated link, when there is one. The copies the plan
+    hides behind compute are the engine's (``weight_prefetch``), not these."""
     link = _link.current()
     if link is not None and dst.device.type == "cpu" and src.device.type == "cpu":
         stats.add("copy_seconds", link.copy(direction, src.nbytes, lambda: dst.copy_(src)))
     else:
-        dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+        dst.copy_(src)
 
 
 @torch.library.custom_op("fxckpt::stream_in", mutates_args=(), schema="(Tensor w, Device device) -> Tensor",
@@ -108,6 +121,38 @@ def stream_in(w: torch.Tensor, device: torch.device) -> torch.Tensor:
 @stream_in.register_fake
 def _(w: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+
+
+@torch.library.custom_op("fxckpt::resident_weight", mutates_args=(),
+                         schema="(Tensor w, Device device) -> Tensor", tags=UNSAFE)  # fmt: skip
+def resident_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The device copy of the streamed host weight ``w`` that the plan keeps across steps:
+    copied at the first use, and again after each write to ``w``; otherwise the same tensor.
+
+    Only the backend's rewritten graphs call it, forward and backward alike, with autograd
+    outside them. Inductor neither reuses nor writes into an extern kernel's output, so the
+    kept copy is only ever read."""
+    _check_host(w, "resident_weight")
+    dev = torch.device(device)
+    key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), str(dev))
+    kept = _RESIDENT.get(key)
+    if kept is not None and kept[0] == w._version:
+        return kept[1]
+    out = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=dev)
+    _copy(out, w, "h2d")
+    stats.add("weight_h2d_bytes", w.nbytes)
+    _RESIDENT[key] = (w._version, out)
+    return out
+
+
+@resident_weight.register_fake
+def _(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+
+
+def resident_copies() -> list[torch.Tensor]:
+    """The weights' device copies kept across steps."""
+    return [t for _, t in list(_RESIDENT.values())]
 
 
 def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -205,8 +250,9 @@ def fence() -> None:
 
 OPS = (
     torch.ops.fxckpt.stream_in.default,
+    torch.ops.fxckpt.resident_weight.default,
     torch.ops.fxckpt.stream_out.default,
     torch.ops.fxckpt.weight_prefetch.default,
 )
-for _op in OPS[2:]:  # its handle may go unused until the wait: never dead code
+for _op in OPS[3:]:  # its handle may go unused until the wait: never dead code
     torch.fx.node.has_side_effect(_op)
