@@ -33,6 +33,7 @@ _FLAG_TO_OPTION = {
     "offload_dir_bandwidth": "offload_dir_bandwidth",
     "cost_model": "cost_model",
     "blocks": "blocks",
+    "device_budget": "device_budget",
 }
 
 
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "budget cannot hold go to disk")  # fmt: skip
     opts.add_argument("--cost-model", metavar="M", help="flops, profile or unit")
     opts.add_argument("--blocks", metavar="REGEX", help="module paths of the repeated blocks")
+    opts.add_argument("--device-budget", metavar="B",
+                      help="device_budget: saved activations and streamed weights, e.g. 24GiB")
+    weights = p.add_argument_group("streamed weights (as fxckpt.stream_weights)")
+    weights.add_argument("--stream-weights", metavar="REGEX", nargs="?", const="",
+                         help="keep weights in host memory: those of modules matching REGEX "
+                              "(no REGEX: every module)")  # fmt: skip
+    weights.add_argument("--frozen-only", action="store_true",
+                         help="stream only weights that do not require grad (a LoRA base)")
     out = p.add_argument_group("output")
     out.add_argument("--format", choices=("table", "json"), default="table")
     out.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
@@ -113,7 +122,8 @@ def _int_or_text(text: str) -> Any:
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Options fields the flags set, converted as the Python API would receive them."""
     convert = {"budget": budget_value, "stride": _int_or_text, "width": _int_or_text,
-               "min_offload": _int_or_text, "host_budget": budget_value}  # fmt: skip
+               "min_offload": _int_or_text, "host_budget": budget_value,
+               "device_budget": budget_value}  # fmt: skip
     out: dict[str, Any] = {}
     for flag, option in _FLAG_TO_OPTION.items():
         value = getattr(args, flag)
@@ -250,6 +260,10 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         progress(f"importing {args.target}")
         work = load_factory(args.target)
         target = args.target
+    if args.stream_weights is not None:
+        work.stream_weights = {"modules": args.stream_weights or None, "frozen_only": args.frozen_only}
+    elif args.frozen_only:
+        raise UsageError("--frozen-only chooses among streamed weights: add --stream-weights")
     results = []
     for label, opts in runs:
         if args.sweep:

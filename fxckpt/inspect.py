@@ -49,6 +49,8 @@ class Workload:
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss_fn: Callable[[Any], Any] | None = None
     description: str = ""
+    # fxckpt.stream_weights's keyword arguments, to plan the model with streamed weights.
+    stream_weights: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,15 +99,28 @@ def _gpu_sdpa(
     return efficient(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
+_UNFLATTEN = torch.Tensor.unflatten
+
+
+def _unflatten(self: torch.Tensor, dim: Any, sizes: Any) -> torch.Tensor:
+    """``Tensor.unflatten`` as the op. Under the ``torch.device("meta")`` mode planning runs
+    in, the Python method's call of its base class is a graph break for dynamo (diffusers'
+    attention calls it in every block); the op traces."""
+    return torch.unflatten(self, dim, sizes)
+
+
 @contextlib.contextmanager
 def offline_dispatch() -> Iterator[None]:
-    """While planning on meta tensors: gradients for composite ops, and GPU attention kernels."""
+    """While planning on meta tensors: gradients for composite ops, GPU attention kernels, and
+    ``Tensor.unflatten`` without a graph break."""
     F.scaled_dot_product_attention = _gpu_sdpa
+    torch.Tensor.unflatten = _unflatten  # type: ignore[method-assign,assignment]
     try:
         with compat.composite_ops_decompose_on_meta():
             yield
     finally:
         F.scaled_dot_product_attention = _SDPA
+        torch.Tensor.unflatten = _UNFLATTEN  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +186,8 @@ def _unwrap_paths(plan: Plan) -> Plan:
         for a in plan.activations
     ]
     notes = [n.replace(f"'{prefix}", "'") for n in plan.notes]  # "blocks 0..3 under 'layers'"
-    return replace(plan, activations=rows, notes=notes)
+    weights = [replace(w, parameter=w.parameter.removeprefix(prefix)) for w in plan.weights]
+    return replace(plan, activations=rows, notes=notes, weights=weights)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +233,11 @@ def plan_workload(
     """Plan one training step of ``work`` on meta tensors; one Plan per compiled graph."""
     say = progress or (lambda _msg: None)
     model = meta_copy(work.model)
+    if work.stream_weights is not None:
+        from fxckpt.weights import stream_weights
+
+        model = copy.deepcopy(model) if model is work.model else model  # never the caller's
+        say(f"streaming weights: {stream_weights(model, **work.stream_weights)}")
     args, kwargs = to_meta((work.args, work.kwargs))
     module = _Step(model, work.loss_fn)
     was_training = module.training
@@ -262,6 +283,7 @@ def inspect(
     *,
     loss_fn: Callable[[Any], Any] | None = None,
     progress: Progress | None = None,
+    stream_weights: dict[str, Any] | None = None,
     **options: Any,
 ) -> list[Plan]:
     """Plan ``model``'s training step offline and return one :class:`Plan` per graph.
@@ -271,14 +293,16 @@ def inspect(
     ``.loss`` attribute is fine too. ``options`` are :class:`fxckpt.Options` fields; the
     compiler is always ``"eager"``, and ``on_infeasible`` defaults to ``"warn"`` so that a
     plan over budget is still shown. Nothing runs on real tensors: weights and inputs are
-    replaced by meta tensors of the same shapes.
+    replaced by meta tensors of the same shapes. ``stream_weights``: the keyword arguments of
+    :func:`fxckpt.stream_weights` (``{}``: every parameter it would take), to plan the step
+    with those weights in host memory (under ``device_budget``, the plan says which stay).
 
     Like a fresh compile in a benchmark, this calls ``compat.reset_dynamo()`` before and after
     planning (other compiled models in the process recompile on their next call) and
     :func:`fxckpt.reset_stats` before it.
     """
     opts = inspect_options(**options)
-    work = Workload(model, *split_inputs(example_inputs), loss_fn)
+    work = Workload(model, *split_inputs(example_inputs), loss_fn, stream_weights=stream_weights)
     return plan_workload(work, opts, progress=progress)
 
 

@@ -118,18 +118,21 @@ def stream_weights(
     for pid in chosen:
         places = owners[pid]
         old = places[0][2]
-        host = torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=pinned)
-        with torch.no_grad():
-            host.copy_(old.detach())
-        new = nn.Parameter(host, requires_grad=old.requires_grad)
-        weight_ops.adopt_host(new)
+        if old.device.type == "meta":  # planning offline (fxckpt inspect): shapes, no data
+            new = nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad)
+        else:
+            host = torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=pinned)
+            with torch.no_grad():
+                host.copy_(old.detach())
+            new = nn.Parameter(host, requires_grad=old.requires_grad)
+            weight_ops.adopt_host(new)
         _remember_replaced(old)
         for path, module, _ in places:
             name = path.rpartition(".")[2]
             module._parameters[name] = new
             parametrize.register_parametrization(module, name, _Streamed(dev), unsafe=True)
             names.append(path)
-        nbytes += host.nbytes
+        nbytes += new.nbytes
     _install_fence()
     streamed = set(names)
     resident = tuple(p for p in _all_paths(owners) if p not in streamed)

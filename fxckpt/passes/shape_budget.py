@@ -216,10 +216,11 @@ def check_budget(
     env = next(b.node.shape_env for b in sym_bytes if isinstance(b, torch.SymInt))
     sets = peak_candidates(problem, kinds, d2h_done, prefetch_issue, sym_bytes)
     totals = [torch.sym_sum([sym_bytes[i] for i in sorted(m)]) for m in sets]
-    if _byte_budget(options):
+    if options.memory_budget is None or _byte_budget(options):  # None: device_budget's room
         bound: Any = budget
         scale = 1
-        what = f"memory_budget={budget} bytes"
+        what = (f"memory_budget={budget} bytes" if options.memory_budget is not None else
+                f"device_budget's {budget} bytes for the saved activations")  # fmt: skip
     else:
         fraction = Fraction(str(options.memory_budget))
         base = _storage_nbytes(baseline_fw, baseline)

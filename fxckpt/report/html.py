@@ -15,11 +15,14 @@ from typing import Any
 from fxckpt.planning.plan import Plan
 from fxckpt.report.table import (
     COLUMNS,
+    WEIGHT_COLUMNS,
     graph_title,
     human_bytes,
     largest_kept,
     row_cells,
     summary_items,
+    weight_cells,
+    weights_title,
 )
 
 W, H = 1000, 330  # SVG viewBox
@@ -255,6 +258,18 @@ def _table(plan: Plan) -> str:
             + "\n".join(rows) + "</tbody></table></details>")  # fmt: skip
 
 
+def _weights_table(plan: Plan) -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in WEIGHT_COLUMNS)
+    rows = []
+    for w in plan.weights:
+        cells = [escape(c) for c in weight_cells(w)]
+        cells[5] = f'<span class="{"keep" if w.decision == "resident" else "offload"}">{cells[5]}</span>'
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return (f"<details open><summary>{escape(weights_title(plan))}</summary>"
+            f'<table class="rows"><thead><tr>{head}</tr></thead><tbody>'
+            + "\n".join(rows) + "</tbody></table></details>")  # fmt: skip
+
+
 def render_html(
     plans: Sequence[Plan], *, options: Mapping[str, Any], target: str = "", title: str = ""
 ) -> str:
@@ -294,6 +309,8 @@ def render_html(
         for note in plan.notes:
             body.append(f'<div class="muted">note: {escape(note)}</div>')
         body.append(_table(plan))
+        if plan.weights:
+            body.append(_weights_table(plan))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{escape(heading)}</title><style>{_CSS}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")  # fmt: skip

@@ -104,6 +104,17 @@ TIMELINE_SCHEMA: dict[str, Any] = {
     },
 }
 
+WEIGHT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "parameter", "shape", "dtype", "bytes", "forward_uses", "backward_uses",
+                 "decision", "reason", "step_h2d_bytes"],  # fmt: skip
+    "properties": {
+        "name": _NAME, "parameter": {"type": "string"}, "shape": {"type": "array"},
+        "dtype": _NAME, "bytes": _INT, "forward_uses": _INT, "backward_uses": _INT,
+        "decision": {"enum": ["stream", "resident"]}, "reason": _NAME, "step_h2d_bytes": _INT,
+    },
+}
+
 PLAN_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["name", "budget_bytes", "baseline_saved_bytes", "resident_peak_bytes",
@@ -127,6 +138,9 @@ PLAN_SCHEMA: dict[str, Any] = {
         "activations": {"type": "array", "items": ACTIVATION_SCHEMA},
         "timeline": TIMELINE_SCHEMA,
         "step_inputs_bytes": _INT,
+        "weights": {"type": "array", "items": WEIGHT_SCHEMA},
+        "resident_weight_bytes": _INT,
+        "weight_h2d_bytes": _INT,
     },
 }
 

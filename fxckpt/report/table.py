@@ -10,13 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from fxckpt.planning.plan import Plan, PlannedActivation, describe_assumptions
+from fxckpt.planning.plan import Plan, PlannedActivation, PlannedWeight, describe_assumptions
 from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
+WEIGHT_COLUMNS = ("parameter", "shape", "dtype", "size", "uses fw/bw", "decision", "per step", "reason")
 SWEEP_COLUMNS = ("budget", "budget bytes", "resident peak", "vs baseline", "offloaded",
                  "recomputed", "est. overhead", "fits")  # fmt: skip
-_STYLE = {"keep": "green", "offload": "cyan", "recompute": "yellow"}
+_STYLE = {"keep": "green", "offload": "cyan", "recompute": "yellow", "resident": "green", "stream": "cyan"}
 
 
 def human_flops(n: float) -> str:
@@ -49,6 +50,20 @@ def row_cells(a: PlannedActivation) -> tuple[str, ...]:
     """One table row, in :data:`COLUMNS` order."""
     return (a.module or "-", a.op, shape_text(a.shape), a.dtype, human_bytes(a.bytes),
             decision_text(a), a.decision.reason)  # fmt: skip
+
+
+def weight_cells(w: PlannedWeight) -> tuple[str, ...]:
+    """One streamed weight's row, in :data:`WEIGHT_COLUMNS` order."""
+    return (w.parameter or w.name, shape_text(w.shape), w.dtype, human_bytes(w.bytes),
+            f"{w.forward_uses}/{w.backward_uses}", w.decision, human_bytes(w.step_h2d_bytes),
+            w.reason)  # fmt: skip
+
+
+def weights_title(plan: Plan) -> str:
+    streamed = sum(w.decision == "stream" for w in plan.weights)
+    return (f"graph {plan.name}: {len(plan.weights)} streamed weights, {streamed} copied per use "
+            f"({human_bytes(plan.weight_h2d_bytes)} per step), {len(plan.weights) - streamed} "
+            f"kept on the device ({human_bytes(plan.resident_weight_bytes)})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,12 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("device / host / disk", " / ".join(human_bytes(n) for n in (
             t.resident_peak_bytes, t.host_bytes, t.disk_bytes))),
     ]
+    if any(p.weights for p in plans):
+        items.append(("streamed weights",
+                      f"{human_bytes(sum(w.bytes for p in plans for w in p.weights))} in host "
+                      f"memory, {human_bytes(sum(p.weight_h2d_bytes for p in plans))} copied per "
+                      f"step, {human_bytes(sum(p.resident_weight_bytes for p in plans))} kept on "
+                      "the device"))  # fmt: skip
     hosts = {p.options.get("host_budget") for p in plans} - {None}
     if hosts:
         items.append(("host budget", ", ".join(sorted(
@@ -187,6 +208,16 @@ def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "") -> Non
             cells[5] = f"[{_STYLE[a.decision.kind]}]{cells[5]}[/]"
             table.add_row(*cells)
         console.print(table)
+        if plan.weights:
+            table = Table(title=weights_title(plan), box=box.SIMPLE_HEAD, title_justify="left")
+            for col in WEIGHT_COLUMNS:
+                table.add_column(col, justify="right" if col in ("size", "per step") else "left",
+                                 overflow="fold", no_wrap=col != "reason")  # fmt: skip
+            for w in plan.weights:
+                cells = list(weight_cells(w))
+                cells[5] = f"[{_STYLE[w.decision]}]{cells[5]}[/]"
+                table.add_row(*cells)
+            console.print(table)
         for note in plan.notes:
             console.print(f"  note: {note}", markup=False)
     summary = Table(title="summary", show_header=False, box=box.ROUNDED, title_justify="left")
@@ -221,6 +252,8 @@ def plain_plans(plans: Sequence[Plan], *, heading: str = "") -> str:
         buf.write(heading + "\n")
     for plan in plans:
         buf.write(_plain(COLUMNS, [row_cells(a) for a in plan.activations], graph_title(plan)))
+        if plan.weights:
+            buf.write(_plain(WEIGHT_COLUMNS, [weight_cells(w) for w in plan.weights], weights_title(plan)))
         for note in plan.notes:
             buf.write(f"  note: {note}\n")
     buf.write(_plain(("summary", ""), summary_items(plans), ""))

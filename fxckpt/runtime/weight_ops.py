@@ -221,7 +221,9 @@ def _(
     w: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor] | None = None, *,
     profile: str | None = None,
 ) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64, device="cpu")
+    # On meta (planning offline) the handle is meta too, so the wait that takes it runs its
+    # meta kernel instead of looking up a copy that never ran.
+    return torch.empty((), dtype=torch.int64, device="meta" if w.device.type == "meta" else "cpu")
 
 
 def _finished(done: object) -> bool:
