@@ -14,12 +14,18 @@ A LoRA decoder-shaped stack (frozen base linears, trainable rank-8 adapters), tr
 - ``resident``: every weight on the device, no copies;
 - ``fxckpt stream``: ``fxckpt.stream_weights(model, frozen_only=True)``, each base weight
   copied to the device ahead of each use, in the forward and again in the backward;
+- ``fxckpt 50% off`` and ``fxckpt 90% off``: the same, under a ``device_budget`` of the saved
+  activations' planned peak, the streamed copies in flight (three weights) and 50 % / 10 % of
+  the frozen weight bytes: the plan keeps what fits on the device across steps and streams
+  the rest;
 - ``eager swap``: the block swap users write today, in eager mode: a forward pre-hook per block
   copies its weights in through the same link (one blocking copy per block, compute waits) and
   a hook after it frees them; the backward swaps each block in again.
 
 Per method, measured: the step time (median of the timed steps), the absolute device peak
-over a step, and gradient equality with the resident run. The absolute figure is
+over a step, what the step starts with on the device (so, for the fxckpt rows, the kept
+weights' bytes: the start beyond the fully streamed run's), and gradient equality with the
+resident run. The absolute figure is
 ``fxckpt.measure``'s ``absolute_peak_bytes``: on the CPU, what the step starts with on the
 device (the storages of the model's parameters, buffers and gradients and of the input,
 fxckpt's host memory left out) plus the allocator's peak above that level during the step.
@@ -29,6 +35,7 @@ Neither reads a plan.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -103,37 +110,50 @@ def _swap(model: Stack) -> None:
                 dev = torch.empty_like(h)
                 link.copy("h2d", h.nbytes, lambda d=dev, s=h: d.copy_(s))
                 b.weight = nn.Parameter(dev, requires_grad=False)
-            out = f(y)
-            for b in bases:
-                b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            return out
+            try:
+                return f(y)
+            finally:  # also when the checkpoint's recompute stops early, by raising
+                for b in bases:
+                    b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
         for b in bases:
             b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         block.forward = lambda x, g=swapped: torch.utils.checkpoint.checkpoint(g, x, use_reentrant=False)
 
 
-def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int) -> dict[str, Any]:
+def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int, device_budget: int | None = None
+        ) -> dict[str, Any]:
     torch._dynamo.reset()
+    gc.collect()  # the last method's model, and the weight copies it kept on the device
+    fxckpt.reset_stats()
     torch.manual_seed(0)
     model = Stack(d, depth)
-    if method == "fxckpt stream":
+    if method.startswith("fxckpt"):
         fxckpt.stream_weights(model, frozen_only=True)
     run_model: Any = model
     if method == "eager swap":
         _swap(model)
     else:
-        run_model = torch.compile(model, backend="fxckpt", options={"compiler": "eager"})
-    times, peaks = [], []
+        options = {"compiler": "eager"} | ({"device_budget": device_budget} if device_budget else {})
+        run_model = torch.compile(model, backend="fxckpt", options=options)
+    times, peaks, starts = [], [], []
     for _ in range(steps + 1):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         m = fxckpt.measure(lambda: run_model(x).backward(), holding=(model, x))
         times.append(time.perf_counter() - t0)
         peaks.append(m.absolute_peak_bytes)
+        starts.append(m.start_bytes)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"method": method, "step_ms": statistics.median(times[1:]) * 1e3,
-            "absolute_peak_bytes": max(peaks[1:]), "grads": grads}
+    plans = fxckpt.last_plans()
+    row = {"method": method, "step_ms": statistics.median(times[1:]) * 1e3,
+           "absolute_peak_bytes": max(peaks[1:]), "start_bytes": starts[-1], "grads": grads}
+    if method.startswith("fxckpt"):
+        row |= {"device_budget": device_budget,
+                "planned_resident_weight_bytes": sum(p.resident_weight_bytes for p in plans),
+                "planned_activation_peak_bytes": sum(p.resident_peak_bytes for p in plans),
+                "weight_h2d_bytes_per_step": sum(p.weight_h2d_bytes for p in plans)}
+    return row
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,26 +175,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"emulated link {args.mbps:.1f} MB/s each way: a block's weight copy takes "
           f"{TARGET_COPY_TO_COMPUTE:.2f}x its forward compute, as on the target", flush=True)
     rows = []
+    largest = max(p.nbytes for n, p in Stack(d, depth).named_parameters() if ".base." in n)
+
+    def report(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(f"{row['method']:14s} step {row['step_ms']:8.1f} ms   absolute device peak "
+              f"{row['absolute_peak_bytes'] / 2**20:8.2f} MiB   at the start "
+              f"{row['start_bytes'] / 2**20:8.2f} MiB", flush=True)
+
     with fxckpt.emulate_link(args.mbps * 1e6):
-        for method in ("resident", "fxckpt stream", "eager swap"):
-            rows.append(run(method, d, depth, x, steps))
-            print(f"{method:14s} step {rows[-1]['step_ms']:8.1f} ms   absolute device peak "
-                  f"{rows[-1]['absolute_peak_bytes'] / 2**20:8.2f} MiB", flush=True)
+        for method in ("resident", "fxckpt stream"):
+            report(run(method, d, depth, x, steps))
+        # Budgets that leave a share of the frozen weights off the device: the saved
+        # activations' planned peak, the streamed copies in flight, and the rest kept.
+        activations = rows[1]["planned_activation_peak_bytes"]
+        for off in (0.5, 0.9):
+            budget = activations + 3 * largest + int((1 - off) * weight_bytes)
+            report(run(f"fxckpt {int(off * 100)}% off", d, depth, x, steps, device_budget=budget))
+        report(run("eager swap", d, depth, x, steps))
     ref = rows[0]["grads"]
+    streamed_start = rows[1]["start_bytes"]  # every frozen weight in host memory
     for row in rows:
         got = {n.replace("parametrizations.", "").replace(".original", ""): g for n, g in row.pop("grads").items()}
         row["grads_equal"] = got.keys() == ref.keys() and all(
             torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-5) for n in ref)
-    report = {"link_MBps": args.mbps, "model": {"d": d, "depth": depth, "tokens": tokens},
-              "frozen_weight_bytes": weight_bytes, "rows": rows,
-              "stream_vs_resident_time": rows[1]["step_ms"] / rows[0]["step_ms"],
-              "swap_vs_stream_time": rows[2]["step_ms"] / rows[1]["step_ms"]}
+        if row["method"].startswith("fxckpt"):
+            # Measured: what the step starts with beyond the fully streamed run's start.
+            row["measured_resident_weight_bytes"] = row["start_bytes"] - streamed_start
+            row["weights_off_device"] = 1 - row["measured_resident_weight_bytes"] / weight_bytes
+    by = {r["method"]: r for r in rows}
+    out = {"link_MBps": args.mbps, "model": {"d": d, "depth": depth, "tokens": tokens},
+           "frozen_weight_bytes": weight_bytes, "rows": rows,
+           "stream_vs_resident_time": by["fxckpt stream"]["step_ms"] / by["resident"]["step_ms"],
+           "off90_vs_resident_time": by["fxckpt 90% off"]["step_ms"] / by["resident"]["step_ms"],
+           "swap_vs_stream_time": by["eager swap"]["step_ms"] / by["fxckpt stream"]["step_ms"],
+           "swap_vs_off90_time": by["eager swap"]["step_ms"] / by["fxckpt 90% off"]["step_ms"]}
     print(f"frozen weights {weight_bytes / 2**20:.2f} MiB; stream/resident time "
-          f"{report['stream_vs_resident_time']:.2f}x, swap/stream {report['swap_vs_stream_time']:.2f}x; "
+          f"{out['stream_vs_resident_time']:.2f}x, 90% off/resident {out['off90_vs_resident_time']:.2f}x, "
+          f"swap/90% off {out['swap_vs_off90_time']:.2f}x; off the device (measured): "
+          f"{[round(r['weights_off_device'], 2) for r in rows if 'weights_off_device' in r]}; "
           f"grads equal: {[r['grads_equal'] for r in rows]}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 
