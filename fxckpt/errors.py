@@ -45,8 +45,10 @@ class BudgetError(FxckptError):
         *,
         scope: str = "graph",
         detail: str = "",
+        option: str = "memory_budget",
     ) -> None:
         self.graph = graph
+        self.option = option
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
         self.suggestions = list(suggestions)
@@ -62,12 +64,16 @@ class BudgetError(FxckptError):
             )
         else:
             self.summary = (
+                f"fxckpt: graph {graph!r} cannot meet {option}{at}: it leaves the saved "
+                f"activations {budget_bytes} bytes, and the smallest resident peak the planner "
+                f"reaches there is {smallest_bytes} bytes{hint}."
+                if option != "memory_budget" else
                 f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes{at}: "
                 f"the smallest resident peak the planner reaches there is {smallest_bytes} "
                 f"bytes{hint}."
-            )
+            )  # fmt: skip
         super().__init__(
-            f"{self.summary} Raise memory_budget, or pass on_infeasible='warn' to run the "
+            f"{self.summary} Raise {option}, or pass on_infeasible='warn' to run the "
             "smallest plan."
         )
 

@@ -378,3 +378,19 @@ def test_a_tight_device_budget_keeps_the_weights_the_room_holds_and_streams_the_
                                                    for n, _ in model.named_parameters()}  # fmt: skip
     # The rows round-trip through the plan's JSON.
     assert fxckpt.Plan.from_dict(plan.to_dict()).weights == plan.weights
+
+
+def test_a_device_budget_too_small_for_the_activations_names_device_budget() -> None:
+    """The weights' copies fit, the saved activations cannot reach what is left: the error
+    names the option the user set (device_budget), not memory_budget they never wrote."""
+    from fxckpt.errors import BudgetError
+
+    model = Blocks()
+    fxckpt.stream_weights(model, min_bytes=0)
+    reserve = 3 * 64 * 64 * 4
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": reserve + 64})
+    with pytest.raises(Exception, match=r"cannot meet device_budget: it leaves the saved activations 64 bytes") as info:
+        compiled(torch.randn(8, 64, requires_grad=True))
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, BudgetError) and "Raise device_budget" in str(inner)
+    assert "memory_budget" not in str(inner)

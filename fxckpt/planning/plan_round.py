@@ -291,7 +291,9 @@ def infeasible(
 
     Every hint names an option the user set: the planner already relaxed the defaults.
     """
-    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes)
+    # Under device_budget alone, the bytes are what it leaves the saved activations.
+    option = "device_budget" if options.device_budget is not None and options.memory_budget is None else "memory_budget"
+    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes, option=option)
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
