@@ -1,37 +1,41 @@
 """Streamed weights beside all-resident weights and an eager block swap, through one emulated link.
 
-    python -m benchmarks.weights [--json PATH] [--steps 5] [--smoke]
+    python -m benchmarks.weights [--models stack,flux-lora,flux-full,llama-lora] [--json PATH]
+                                 [--steps 5] [--smoke]
 
-The link is sized so that one block's weight copy takes as long, relative to the block's
-forward compute, as on the target: a Flux-style DiT block at 1024x1024 (4096 tokens), bf16
-weights, on a 24 GB card over PCIe 4 (25 GB/s, 165 TFLOP/s dense bf16): copy/compute =
-(1/4096 bytes per FLOP) / (25e9 / 165e12) = 1.61. This machine's compute rate is measured
-(a matmul of the block's shape) and the bandwidth follows; ``--mbps`` overrides it.
-
-A LoRA decoder-shaped stack (frozen base linears, trainable rank-8 adapters), trained with
-``torch.compile(backend="fxckpt")`` three ways, each under the same emulated host link:
+Each model of :mod:`benchmarks.weight_models` trains a few steps under
+``torch.compile(backend="fxckpt", options={"compiler": "eager", ...})`` several ways, all
+under one emulated host link per model:
 
 - ``resident``: every weight on the device, no copies;
-- ``fxckpt stream``: ``fxckpt.stream_weights(model, frozen_only=True)``, each base weight
-  copied to the device ahead of each use, in the forward and again in the backward;
+- ``fxckpt stream``: ``fxckpt.stream_weights(model, frozen_only=...)`` (the frozen base of a
+  LoRA model; every weight under full fine-tuning), each streamed weight copied to the device
+  ahead of each use, in the forward and again in the backward;
 - ``fxckpt 50% off`` and ``fxckpt 90% off``: the same, under a ``device_budget`` of the saved
-  activations' planned peak, the streamed copies in flight (three weights) and 50 % / 10 % of
-  the frozen weight bytes: the plan keeps what fits on the device across steps and streams
-  the rest;
-- ``fxckpt low peak``: the smallest ``device_budget`` that plans (activations offloaded or
-  recomputed too), for a peak near the swap's;
-- ``eager swap``: the block swap users write today, in eager mode: a forward pre-hook per block
-  copies its weights in through the same link (one blocking copy per block, compute waits) and
-  a hook after it frees them; the backward swaps each block in again.
+  activations' planned peak, the streamed copies in flight (three of the largest weight) and
+  50 % / 10 % of the streamed bytes: the plan keeps what fits on the device across steps and
+  streams the rest;
+- ``eager swap`` (frozen weights only): the block swap users write today, in eager mode: each
+  block's forward copies its streamed weights in through the same link (blocking, compute
+  waits) and frees them after; each block is checkpointed, so the backward swaps it in again;
+- ``fxckpt low peak`` (beside the swap): the smallest ``device_budget`` that plans (saved
+  activations offloaded or recomputed too), for a peak near the swap's.
 
-Per method, measured: the step time (median of the timed steps), the absolute device peak
-over a step, what the step starts with on the device (so, for the fxckpt rows, the kept
-weights' bytes: the start beyond the fully streamed run's), and gradient equality with the
-resident run. The absolute figure is
-``fxckpt.measure``'s ``absolute_peak_bytes``: on the CPU, what the step starts with on the
-device (the storages of the model's parameters, buffers and gradients and of the input,
-fxckpt's host memory left out) plus the allocator's peak above that level during the step.
-Neither reads a plan.
+The link is sized per model so that a block's weight copy takes 1.61x the block's forward
+compute, as on the target: a block at 4096 tokens (a Flux DiT at 1024x1024, a decoder at 4k),
+bf16 weights, on a 24 GB card over PCIe 4 (25 GB/s against 165 TFLOP/s dense bf16):
+copy/compute = (1/4096 bytes per FLOP) / (25e9 / 165e12) = 1.61. The block's forward time is
+measured here (the median of eager runs without autograd) and the bandwidth follows;
+``--mbps`` overrides it.
+
+Per method, measured: the step time (median of the timed steps after the first), the absolute
+device peak over a step and what the step starts with (``fxckpt.measure``'s
+``absolute_peak_bytes`` and ``start_bytes``: on the CPU the model's parameters, buffers and
+gradients and the weight copies fxckpt keeps, fxckpt's host memory left out, plus the
+allocator's peak above them), the weights kept on the device (for fxckpt's rows, the start
+beyond the fully streamed run's), the exposed copy time per step (fxckpt: how long compute
+waited for copies; the swap: every copy, made on the compute side) and gradient equality with
+the resident run. None of it reads a plan; the plan's kept bytes are reported beside.
 """
 
 from __future__ import annotations
@@ -48,195 +52,194 @@ import torch
 import torch.nn as nn
 
 import fxckpt
-
-
-class LoRALinear(nn.Module):
-    def __init__(self, d_in: int, d_out: int, rank: int = 8) -> None:
-        super().__init__()
-        self.base = nn.Linear(d_in, d_out, bias=False).requires_grad_(False)
-        self.down = nn.Linear(d_in, rank, bias=False)
-        self.up = nn.Linear(rank, d_out, bias=False)
-        nn.init.normal_(self.up.weight, std=0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.up(self.down(x))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1, self.fc2 = LoRALinear(d, 4 * d), LoRALinear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, d: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
-
+from benchmarks.weight_models import BUILDERS, Workload, build, plain
 
 TARGET_COPY_TO_COMPUTE = (1 / 4096) / (25e9 / 165e12)
+# The parameters fxckpt.stream_weights leaves resident by default; the swap leaves them too.
+MIN_BYTES = 64 * 2**10
 
 
-def _flops_per_s(d: int, tokens: int) -> float:
-    a, b = torch.randn(tokens, d), torch.randn(d, 4 * d)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    return 5 * 2 * tokens * d * 4 * d / (time.perf_counter() - t0)
+def _streamable(work: Workload, model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Each block's parameters that fxckpt streams here, as (module, name, parameter): those
+    ``fxckpt.stream_weights`` takes (of 64 KiB or more, or all where none is)."""
+    found = [(mod, name, p) for block in work.blocks(model) for mod in block.modules()
+             for name, p in mod.named_parameters(recurse=False)
+             if not work.frozen_only or not p.requires_grad]  # fmt: skip
+    large = [f for f in found if f[2].nbytes >= MIN_BYTES]
+    return large or found
 
 
-def _swap(model: Stack) -> None:
-    """An eager block swap: each block's base weights copied in before it runs, through the
-    emulated link, and dropped after; each block is checkpointed, so its backward re-runs it
-    (and swaps its weights in again) first."""
+def _block_forward_seconds(work: Workload) -> tuple[float, int]:
+    """(the median forward time of one block, its streamed bytes), averaged over the blocks:
+    the model's forward without autograd, timed, divided by its block count."""
+    model, blocks = work.model, work.blocks(work.model)
+    with torch.no_grad():
+        work.loss(model)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            work.loss(model)
+            times.append(time.perf_counter() - t0)
+    nbytes = sum(p.nbytes for *_, p in _streamable(work, model))
+    return statistics.median(times) / len(blocks), nbytes // len(blocks)
+
+
+def _swap(work: Workload, model: nn.Module, copied: list[float]) -> None:
+    """An eager block swap over ``work``'s blocks; each copy's seconds go to ``copied``."""
     from fxckpt import _link
 
     link = _link.current()
-    for block in model.blocks:
-        bases = [m.base for m in (block.fc1, block.fc2)]
-        host = [b.weight.detach().clone() for b in bases]
+    chosen = _streamable(work, model)
+    for block in work.blocks(model):
+        places = [(mod, name, p.detach().clone()) for mod, name, p in chosen
+                  if any(m is mod for m in block.modules())]  # fmt: skip
         forward = block.forward
 
-        def swapped(y: torch.Tensor, bases: list = bases, host: list = host, f: Any = forward) -> torch.Tensor:
-            for b, h in zip(bases, host, strict=True):
-                dev = torch.empty_like(h)
-                link.copy("h2d", h.nbytes, lambda d=dev, s=h: d.copy_(s))
-                b.weight = nn.Parameter(dev, requires_grad=False)
+        def swapped(*args: Any, places: list = places, f: Any = forward, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            for mod, name, host in places:
+                dev = torch.empty_like(host)
+                link.copy("h2d", host.nbytes, lambda d=dev, s=host: d.copy_(s))
+                setattr(mod, name, nn.Parameter(dev, requires_grad=False))
+            copied.append(time.perf_counter() - t0)
             try:
-                return f(y)
+                return f(*args, **kwargs)
             finally:  # also when the checkpoint's recompute stops early, by raising
-                for b in bases:
-                    b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                for mod, name, _ in places:
+                    setattr(mod, name, nn.Parameter(torch.empty(0), requires_grad=False))
 
-        for b in bases:
-            b.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        block.forward = lambda x, g=swapped: torch.utils.checkpoint.checkpoint(g, x, use_reentrant=False)
+        for mod, name, _ in places:
+            setattr(mod, name, nn.Parameter(torch.empty(0), requires_grad=False))
+        block.forward = (lambda *a, g=swapped, **k:  # type: ignore[method-assign]
+                         torch.utils.checkpoint.checkpoint(g, *a, use_reentrant=False, **k))  # fmt: skip
 
 
-def run(method: str, d: int, depth: int, x: torch.Tensor, steps: int, device_budget: int | None = None
+def run(name: str, method: str, smoke: bool, steps: int, device_budget: int | None = None
         ) -> dict[str, Any]:
     torch._dynamo.reset()
     gc.collect()  # the last method's model, and the weight copies it kept on the device
     fxckpt.reset_stats()
-    torch.manual_seed(0)
-    model = Stack(d, depth)
+    work = build(name, smoke)
+    model = work.model
+    copied: list[float] = []
+    streamed_bytes = 0
     if method.startswith("fxckpt"):
-        fxckpt.stream_weights(model, frozen_only=True)
+        streamed_bytes = fxckpt.stream_weights(model, frozen_only=work.frozen_only).nbytes
     run_model: Any = model
     if method == "eager swap":
-        _swap(model)
+        _swap(work, model, copied)
     else:
         options = {"compiler": "eager"} | ({"device_budget": device_budget} if device_budget else {})
         run_model = torch.compile(model, backend="fxckpt", options=options)
-    times, peaks, starts = [], [], []
+    times, peaks, starts, exposed = [], [], [], []
     for _ in range(steps + 1):
         model.zero_grad(set_to_none=True)
+        stalled, copied[:] = fxckpt.stats()["stall_seconds"], []
         t0 = time.perf_counter()
-        m = fxckpt.measure(lambda: run_model(x).backward(), holding=(model, x))
+        m = fxckpt.measure(lambda: work.loss(run_model).backward(), holding=(model,))
         times.append(time.perf_counter() - t0)
         peaks.append(m.absolute_peak_bytes)
         starts.append(m.start_bytes)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        exposed.append(sum(copied) if method == "eager swap" else fxckpt.stats()["stall_seconds"] - stalled)
+    grads = {plain(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     plans = fxckpt.last_plans()
     row = {"method": method, "step_ms": statistics.median(times[1:]) * 1e3,
-           "absolute_peak_bytes": max(peaks[1:]), "start_bytes": starts[-1], "grads": grads}
+           "exposed_copy_ms": statistics.median(exposed[1:]) * 1e3,
+           "absolute_peak_bytes": max(peaks[1:]), "start_bytes": starts[-1], "grads": grads}  # fmt: skip
     if method.startswith("fxckpt"):
         row |= {"device_budget": device_budget,
                 "planned_resident_weight_bytes": sum(p.resident_weight_bytes for p in plans),
                 "planned_activation_peak_bytes": sum(p.resident_peak_bytes for p in plans),
-                "weight_h2d_bytes_per_step": sum(p.weight_h2d_bytes for p in plans)}
+                "weight_h2d_bytes_per_step": sum(p.weight_h2d_bytes for p in plans),
+                "streamed_bytes": streamed_bytes,
+                "largest_streamed_bytes": max(w.bytes for p in plans for w in p.weights),
+                "graphs": len(plans)}  # fmt: skip
     return row
+
+
+def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, Any]:
+    work = build(name, smoke)
+    if mbps is None:
+        seconds, block_bytes = _block_forward_seconds(work)
+        mbps = block_bytes / (seconds * TARGET_COPY_TO_COMPUTE) / 1e6
+    print(f"{name}: {work.description}; emulated link {mbps:.1f} MB/s each way (a block's "
+          f"weight copy {TARGET_COPY_TO_COMPUTE:.2f}x its forward)", flush=True)  # fmt: skip
+    del work
+    rows: list[dict[str, Any]] = []
+
+    def report(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(f"  {row['method']:15s} step {row['step_ms']:8.1f} ms  exposed copies "
+              f"{row['exposed_copy_ms']:7.1f} ms  absolute device peak "
+              f"{row['absolute_peak_bytes'] / 2**20:8.2f} MiB  start "
+              f"{row['start_bytes'] / 2**20:7.2f} MiB", flush=True)  # fmt: skip
+
+    with fxckpt.emulate_link(mbps * 1e6):
+        for method in ("resident", "fxckpt stream"):
+            report(run(name, method, smoke, steps))
+        activations = rows[1]["planned_activation_peak_bytes"]
+        weight_bytes, largest = rows[1]["streamed_bytes"], rows[1]["largest_streamed_bytes"]
+        for off in (0.5, 0.9):
+            budget = activations + 3 * largest + int((1 - off) * weight_bytes)
+            report(run(name, f"fxckpt {int(off * 100)}% off", smoke, steps, device_budget=budget))
+        if rows[1]["planned_resident_weight_bytes"] == 0 and build(name, smoke).frozen_only:
+            report(run(name, "eager swap", smoke, steps))
+            budget = 3 * largest
+            while True:  # the smallest device budget that plans, by half a weight
+                budget += largest // 2
+                try:
+                    row = run(name, "fxckpt low peak", smoke, steps, device_budget=budget)
+                except Exception as e:  # BudgetError, inside dynamo's BackendCompilerFailed
+                    if "cannot meet device_budget" not in str(e):
+                        raise
+                    continue
+                report(row)
+                break
+    ref = rows[0]["grads"]
+    streamed_start = rows[1]["start_bytes"]  # every streamed weight in host memory
+    for row in rows:
+        got = row.pop("grads")
+        row["grads_equal"] = got.keys() == ref.keys() and all(
+            torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-5) for n in ref)
+        if row["method"].startswith("fxckpt"):
+            row["measured_resident_weight_bytes"] = row["start_bytes"] - streamed_start
+            row["weights_off_device"] = 1 - row["measured_resident_weight_bytes"] / weight_bytes
+    by = {r["method"]: r for r in rows}
+    out: dict[str, Any] = {"description": build(name, smoke).description, "link_MBps": mbps,
+                           "streamed_weight_bytes": weight_bytes, "rows": rows}  # fmt: skip
+    for method in ("fxckpt stream", "fxckpt 50% off", "fxckpt 90% off"):
+        out[f"{method} / resident time"] = by[method]["step_ms"] / by["resident"]["step_ms"]
+    if "eager swap" in by:
+        for method in ("fxckpt 90% off", "fxckpt low peak"):
+            out[f"eager swap / {method} time"] = by["eager swap"]["step_ms"] / by[method]["step_ms"]
+        out["fxckpt low peak / eager swap peak"] = (
+            by["fxckpt low peak"]["absolute_peak_bytes"] / by["eager swap"]["absolute_peak_bytes"])
+    print("  " + "; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("time", "peak")))
+          + f"; off the device (measured): "
+          f"{[round(r['weights_off_device'], 2) for r in rows if 'weights_off_device' in r]}; "
+          f"grads equal: {[r['grads_equal'] for r in rows]}", flush=True)  # fmt: skip
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(BUILDERS),
+                    help=f"comma-separated, of {', '.join(BUILDERS)} (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--mbps", type=float, default=None, help="emulated link, MB/s each way "
-                    "(default: sized to the target's copy-to-compute ratio)")
+                    "(default: sized to the target's copy-to-compute ratio, per model)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="a tiny model, 1 step (tests)")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, 1 step (tests)")
     args = ap.parse_args(argv)
-    d, depth, tokens = (64, 4, 16) if args.smoke else (256, 6, 1024)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BUILDERS]
+    if unknown or not names:
+        ap.error(f"--models: {unknown or args.models!r} is not among {', '.join(BUILDERS)}")
     steps = 1 if args.smoke else args.steps
-    torch.manual_seed(0)
-    x = torch.randn(tokens, d)
-    weight_bytes = sum(p.nbytes for n, p in Stack(d, depth).named_parameters() if ".base." in n)
-    if args.mbps is None:
-        block_bytes, block_flops = weight_bytes / depth, 2 * 2 * tokens * d * 4 * d
-        args.mbps = block_bytes * _flops_per_s(d, tokens) / (block_flops * TARGET_COPY_TO_COMPUTE) / 1e6
-    print(f"emulated link {args.mbps:.1f} MB/s each way: a block's weight copy takes "
-          f"{TARGET_COPY_TO_COMPUTE:.2f}x its forward compute, as on the target", flush=True)
-    rows = []
-    largest = max(p.nbytes for n, p in Stack(d, depth).named_parameters() if ".base." in n)
-
-    def report(row: dict[str, Any]) -> None:
-        rows.append(row)
-        print(f"{row['method']:14s} step {row['step_ms']:8.1f} ms   absolute device peak "
-              f"{row['absolute_peak_bytes'] / 2**20:8.2f} MiB   at the start "
-              f"{row['start_bytes'] / 2**20:8.2f} MiB", flush=True)
-
-    with fxckpt.emulate_link(args.mbps * 1e6):
-        for method in ("resident", "fxckpt stream"):
-            report(run(method, d, depth, x, steps))
-        # Budgets that leave a share of the frozen weights off the device: the saved
-        # activations' planned peak, the streamed copies in flight, and the rest kept.
-        activations = rows[1]["planned_activation_peak_bytes"]
-        for off in (0.5, 0.9):
-            budget = activations + 3 * largest + int((1 - off) * weight_bytes)
-            report(run(f"fxckpt {int(off * 100)}% off", d, depth, x, steps, device_budget=budget))
-        report(run("eager swap", d, depth, x, steps))
-        # The swap checkpoints every block: its peak is lower. The smallest device budget the
-        # plan meets, 90 % of the weights and most activations off the device, for a step
-        # near that peak (the budget grows by half a weight until one plans).
-        budget = 3 * largest
-        while True:
-            budget += largest // 2
-            try:
-                row = run("fxckpt low peak", d, depth, x, steps, device_budget=budget)
-            except Exception as e:  # BudgetError, inside dynamo's BackendCompilerFailed
-                if "cannot meet device_budget" not in str(e):
-                    raise
-                continue
-            report(row)
-            break
-    ref = rows[0]["grads"]
-    streamed_start = rows[1]["start_bytes"]  # every frozen weight in host memory
-    for row in rows:
-        got = {n.replace("parametrizations.", "").replace(".original", ""): g for n, g in row.pop("grads").items()}
-        row["grads_equal"] = got.keys() == ref.keys() and all(
-            torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-5) for n in ref)
-        if row["method"].startswith("fxckpt"):
-            # Measured: what the step starts with beyond the fully streamed run's start.
-            row["measured_resident_weight_bytes"] = row["start_bytes"] - streamed_start
-            row["weights_off_device"] = 1 - row["measured_resident_weight_bytes"] / weight_bytes
-    by = {r["method"]: r for r in rows}
-    out = {"link_MBps": args.mbps, "model": {"d": d, "depth": depth, "tokens": tokens},
-           "frozen_weight_bytes": weight_bytes, "rows": rows,
-           "stream_vs_resident_time": by["fxckpt stream"]["step_ms"] / by["resident"]["step_ms"],
-           "off90_vs_resident_time": by["fxckpt 90% off"]["step_ms"] / by["resident"]["step_ms"],
-           "swap_vs_stream_time": by["eager swap"]["step_ms"] / by["fxckpt stream"]["step_ms"],
-           "swap_vs_off90_time": by["eager swap"]["step_ms"] / by["fxckpt 90% off"]["step_ms"],
-           "swap_vs_low_peak_time": by["eager swap"]["step_ms"] / by["fxckpt low peak"]["step_ms"],
-           "low_peak_vs_swap_peak": by["fxckpt low peak"]["absolute_peak_bytes"] / by["eager swap"]["absolute_peak_bytes"]}
-    print(f"frozen weights {weight_bytes / 2**20:.2f} MiB; stream/resident time "
-          f"{out['stream_vs_resident_time']:.2f}x, 90% off/resident {out['off90_vs_resident_time']:.2f}x, "
-          f"swap/90% off {out['swap_vs_off90_time']:.2f}x; swap/low peak {out['swap_vs_low_peak_time']:.2f}x "
-          f"at {out['low_peak_vs_swap_peak']:.2f}x the swap's peak; off the device (measured): "
-          f"{[round(r['weights_off_device'], 2) for r in rows if 'weights_off_device' in r]}; "
-          f"grads equal: {[r['grads_equal'] for r in rows]}")
+    report = {"models": {n: bench(n, args.smoke, steps, args.mbps) for n in names}}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(report, f, indent=1)
     return 0
 
 
