@@ -279,7 +279,7 @@ def test_a_device_budget_the_weights_alone_fill_is_a_typed_error_naming_the_leas
     model = Blocks()
     fxckpt.stream_weights(model, min_bytes=0)
     compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": 4096})
-    with pytest.raises(Exception, match=r"device_budget.*more than 49152 bytes"):
+    with pytest.raises(Exception, match=r"device_budget.*more than 32768 bytes"):
         compiled(torch.randn(8, 64, requires_grad=True))
     with pytest.raises(OptionsError, match="device_budget"):
         fxckpt.Options(device_budget=0.5)
@@ -394,3 +394,24 @@ def test_a_device_budget_too_small_for_the_activations_names_device_budget() -> 
     inner = getattr(info.value, "inner_exception", info.value)
     assert isinstance(inner, BudgetError) and "Raise device_budget" in str(inner)
     assert "memory_budget" not in str(inner)
+
+
+def test_a_device_budget_without_room_for_the_default_lead_prefetches_one_weight_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default lead (two weights on their way) is not the user's constraint: a budget
+    with no room beside it is served one weight ahead, with a warning, and trains like eager."""
+    import fxckpt.passes.weights as weights
+
+    leads = []
+    real = weights.schedule_streams
+    monkeypatch.setattr(weights, "schedule_streams", lambda gm, p, lead=None, **k: leads.append(lead) or real(gm, p, lead, **k))
+    weight = 64 * 64 * 4
+    torch.manual_seed(0)
+    model = Blocks()
+    with pytest.warns(UserWarning, match="one weight ahead"):
+        _assert_matches_eager(model, {"compiler": "eager", "device_budget": 3 * weight - 1024,
+                                      "on_infeasible": "warn"})  # fmt: skip
+    (plan,) = fxckpt.last_plans()
+    assert plan.budget_bytes == weight - 1024  # what two weights' copies leave
+    assert all(w.decision == "stream" for w in plan.weights if w.bytes == weight)  # biases may stay
+    assert leads and set(leads) == {weight}  # one weight's bytes on their way: the next one

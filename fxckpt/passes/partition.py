@@ -112,6 +112,7 @@ class Context:
     sizes: str = ""
     # streamed weights
     streamed: int = 0  # stream_in nodes of the joint graph
+    weight_lead: int | None = None  # device budget: a prefetch lead smaller than the default
     # blocks
     blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
     source: fx.GraphModule | None = None  # the joint graph that segments tag
@@ -193,7 +194,7 @@ def _weight_copies(ctx: Context) -> None:
     total = ctx.options.device_budget
     room = None if total is None else int(total) - ctx.plan.resident_peak_bytes
     ctx.fw, ctx.bw, ctx.plan.weights, note = place_weights(
-        ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room)
+        ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room, ctx.weight_lead)
     ctx.plan.notes.append(note)
 
 
@@ -224,7 +225,7 @@ def _budget(ctx: Context) -> None:
 def _device_budget(ctx: Context) -> None:
     """Under ``device_budget``: what the streamed weights do not take bounds the saved
     activations (with ``memory_budget``, the smaller of the two)."""
-    room = activation_room(ctx.joint, ctx.options.device_budget, ctx.graph_name)
+    room, ctx.weight_lead = activation_room(ctx.joint, ctx.options.device_budget, ctx.graph_name)
     ctx.budget = room if ctx.budget is None else min(ctx.budget, room)
 
 

@@ -20,6 +20,7 @@ Two steps:
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -62,35 +63,48 @@ def weight_bytes(node: fx.Node) -> int:
     return numel_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
-def reserve_bytes(joint: fx.GraphModule) -> int:
-    """The device bytes streamed weights take at most at once under :func:`schedule_streams`'
-    default lead: the weight in use and up to twice the largest on their way, so three times the
-    largest streamed weight (0 without any)."""
+def largest_streamed(joint: fx.GraphModule) -> int:
+    """Bytes of the largest streamed weight of ``joint`` (0 without any)."""
     sizes = [weight_bytes(n) for n in joint.graph.find_nodes(op="call_function", target=STREAM_IN)]
-    return 3 * max(sizes, default=0)
+    return max(sizes, default=0)
 
 
-def activation_room(joint: fx.GraphModule, total: object, graph_name: str) -> int:
+def activation_room(joint: fx.GraphModule, total: object, graph_name: str) -> tuple[int, int | None]:
     """What ``device_budget`` (``total`` bytes) leaves the saved activations of ``joint``
-    beside its streamed weights' copies (:func:`reserve_bytes`); too little is an error."""
+    beside its streamed weights' copies, and the prefetch lead for :func:`schedule_streams`
+    (``None``: the default).
+
+    By default a weight's copy may run two largest weights ahead of its use: the copies take up
+    to three times the largest streamed weight. A budget that leaves no room beside that is
+    served one weight ahead (twice the largest), with a warning; only a budget that cannot hold
+    two is an error."""
     assert isinstance(total, int)  # parsed to bytes by Options
-    reserve = reserve_bytes(joint)
-    if total <= reserve:
-        raise OptionsError(
-            "device_budget", total,
-            f"more than {reserve} bytes for this graph: its streamed weights' copies take up to "
-            f"{reserve} (three times its largest streamed weight, {reserve // 3} bytes), and its "
-            "saved activations need some too",
-            f"graph {graph_name}",
+    largest = largest_streamed(joint)
+    if total > 3 * largest:
+        return total - 3 * largest, None
+    if total > 2 * largest:
+        warnings.warn(
+            f"fxckpt[{graph_name}]: device_budget={total} bytes leaves no room beside three of "
+            f"its largest streamed weight ({largest} bytes: the one in use, two on their way); "
+            "each weight's copy is issued one weight ahead of its use instead, and less of it "
+            "hides behind compute", stacklevel=2,
         )  # fmt: skip
-    return total - reserve
+        return total - 2 * largest, largest
+    raise OptionsError(
+        "device_budget", total,
+        f"more than {2 * largest} bytes for this graph: its streamed weights' copies take at "
+        f"least {2 * largest} (the largest streamed weight, {largest} bytes, in use and the "
+        "next on its way), and its saved activations need some too",
+        f"graph {graph_name}",
+    )  # fmt: skip
 
 
-def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None) -> list[PlannedWeight]:
+def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_flight: int = 3
+                 ) -> list[PlannedWeight]:
     """Where each streamed weight of the partitioned graphs lives: ``room`` (``None``: no
     device budget) is what the device budget leaves after the saved activations' planned
     peak. A weight is kept resident while its copy, the copies kept before it and the streamed
-    weights' in-flight copies (three times the largest still streamed) fit in it: the weights
+    weights' copies (``in_flight`` times the largest still streamed) fit in it: the weights
     used most often first (forward and backward before forward only), then the larger ones
     (each saves that many bytes of copies per step), then the earlier in the forward (the
     first copy of each pass has no compute to hide behind)."""
@@ -109,7 +123,7 @@ def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None) -> li
     if room is not None:
         for name in order:
             rest = [sizes[n] for n in streamed if n != name]
-            if sum(sizes[n] for n in resident) + sizes[name] + 3 * max(rest, default=0) <= room:
+            if sum(sizes[n] for n in resident) + sizes[name] + in_flight * max(rest, default=0) <= room:
                 resident.append(name)
                 streamed.discard(name)
     kept = sum(sizes[n] for n in resident)
@@ -132,14 +146,15 @@ def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None) -> li
     return rows
 
 
-def place_weights(fw: fx.GraphModule, bw: fx.GraphModule, profile: str | None, room: int | None
+def place_weights(fw: fx.GraphModule, bw: fx.GraphModule, profile: str | None, room: int | None,
+                  lead_bytes: int | None = None
                   ) -> tuple[fx.GraphModule, fx.GraphModule, list[PlannedWeight], str]:
-    """:func:`plan_weights`, then :func:`schedule_streams` on both graphs: the graphs, the
-    plan's weight rows, and its note."""
-    rows = plan_weights(fw, bw, room)
+    """:func:`plan_weights`, then :func:`schedule_streams` on both graphs (``lead_bytes``: from
+    :func:`activation_room`): the graphs, the plan's weight rows, and its note."""
+    rows = plan_weights(fw, bw, room, in_flight=3 if lead_bytes is None else 2)
     resident = frozenset(w.name for w in rows if w.decision == "resident")
-    fw = schedule_streams(fw, profile, resident=resident)
-    bw = schedule_streams(bw, profile, resident=resident)
+    fw = schedule_streams(fw, profile, lead_bytes, resident=resident)
+    bw = schedule_streams(bw, profile, lead_bytes, resident=resident)
     kept = sum(w.bytes for w in rows if w.decision == "resident")
     h2d = sum(w.step_h2d_bytes for w in rows)
     note = (f"{len(rows)} streamed weight(s): {len(rows) - len(resident)} copied to the device "
