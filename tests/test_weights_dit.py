@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from test_weights import _fresh  # noqa: F401 (an autouse fixture: a fresh dynamo, stats, engine)
 
 import fxckpt
-from fxckpt.runtime import engine, weight_ops
+from fxckpt.runtime import weight_ops
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -73,14 +74,6 @@ def _step(model: nn.Module, run: Any, inputs: dict[str, Any], target: torch.Tens
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     plain = {n: n.replace("parametrizations.", "").replace(".original", "") for n, _ in model.named_parameters()}
     return {plain[n]: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> None:
-    torch._dynamo.reset()
-    fxckpt.reset_stats()
-    yield
-    engine.configure()
 
 
 def test_a_flux_dit_with_lora_trains_with_its_base_streamed_under_a_quarter_of_its_weights() -> None:

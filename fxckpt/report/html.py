@@ -245,29 +245,29 @@ def overview_svg(plan: Plan) -> str:
     return "\n".join(parts)
 
 
-def _table(plan: Plan) -> str:
-    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
-    rows = []
-    for a in plan.activations:
-        cells = [escape(c) for c in row_cells(a)]
-        cells[5] = f'<span class="{a.decision.kind}">{cells[5]}</span>'
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    is_open = " open" if len(rows) <= 200 else ""
-    return (f"<details{is_open}><summary>{len(rows)} saved tensors</summary>"
+def _rows(columns: tuple[str, ...], rows: Sequence[tuple[tuple[str, ...], str]], summary: str) -> str:
+    """A folding table: each row's cells, the decision's (column 5) styled by its class."""
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = []
+    for cells, kind in rows:
+        out = [escape(c) for c in cells]
+        out[5] = f'<span class="{kind}">{out[5]}</span>'
+        body.append("<tr>" + "".join(f"<td>{c}</td>" for c in out) + "</tr>")
+    is_open = " open" if len(body) <= 200 else ""
+    return (f"<details{is_open}><summary>{escape(summary)}</summary>"
             f'<table class="rows"><thead><tr>{head}</tr></thead><tbody>'
-            + "\n".join(rows) + "</tbody></table></details>")  # fmt: skip
+            + "\n".join(body) + "</tbody></table></details>")  # fmt: skip
+
+
+def _table(plan: Plan) -> str:
+    rows = [(row_cells(a), a.decision.kind) for a in plan.activations]
+    return _rows(COLUMNS, rows, f"{len(rows)} saved tensors")
 
 
 def _weights_table(plan: Plan) -> str:
-    head = "".join(f"<th>{escape(c)}</th>" for c in WEIGHT_COLUMNS)
-    rows = []
-    for w in plan.weights:
-        cells = [escape(c) for c in weight_cells(w)]
-        cells[5] = f'<span class="{"keep" if w.decision == "resident" else "offload"}">{cells[5]}</span>'
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return (f"<details open><summary>{escape(weights_title(plan))}</summary>"
-            f'<table class="rows"><thead><tr>{head}</tr></thead><tbody>'
-            + "\n".join(rows) + "</tbody></table></details>")  # fmt: skip
+    # A kept weight is styled as a kept tensor, a streamed one as an offloaded one.
+    rows = [(weight_cells(w), "keep" if w.decision == "resident" else "offload") for w in plan.weights]
+    return _rows(WEIGHT_COLUMNS, rows, weights_title(plan))
 
 
 def render_html(
