@@ -18,7 +18,8 @@
     settle            the Plan: every saved tensor's decision and reason, figures, notes
     offload           passes.offload: offload / prefetch / wait ops where passes.schedule
                       places them
-    weight copies     passes.weights: each streamed weight's copy issued ahead of its use
+    weight copies     passes.weights: under device_budget, weights kept across steps where
+                      room is left; every other streamed weight's copy issued ahead of its use
     saved layouts     (Inductor) passes.saved_layout: saved graph inputs keep their layout
     note              the predicted step peak, and the forward's note of what it keeps
     pin positions     (Inductor) passes.schedule: every planned position holds in codegen
