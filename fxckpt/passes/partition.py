@@ -46,6 +46,7 @@ from fxckpt._torch_compat import (
     lazy_graph_modules,
     trace_plan_artifact,
 )
+from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import (
     SavedActivation,
     bytes_per_storage,
@@ -114,6 +115,7 @@ class Context:
     # streamed weights
     streamed: int = 0  # stream_in nodes of the joint graph
     weight_lead: int | None = None  # device budget: a prefetch lead smaller than the default
+    short_lead: bool = False  # planned again with it: the default left the activations too little
     # blocks
     blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
     source: fx.GraphModule | None = None  # the joint graph that segments tag
@@ -169,10 +171,18 @@ def partition(
     bounds = upper_bounds_to_plan_for(joint, options)
     if bounds:
         log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
-    ctx = Context(joint, joint_inputs, options, graph_name, num_fwd_outputs, record, inductor,
-                  measured, {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)  # fmt: skip
+    args = (joint_inputs, options, graph_name, num_fwd_outputs, record, inductor, measured,
+            {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)
+    # device_budget: where the default lead leaves the activations too little, one weight ahead.
+    again, ctx = clone_joint(joint) if options.device_budget is not None else None, Context(joint, *args)
     with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
-        run(ctx, graph_name, STAGES)
+        try:
+            run(ctx, graph_name, STAGES)
+        except BudgetError as e:
+            if again is None or e.option != "device_budget" or ctx.weight_lead is not None:
+                raise
+            ctx = Context(again, *args, short_lead=True)  # a copy: min-cut consumed the joint
+            run(ctx, graph_name, STAGES)
     assert ctx.fw is not None and ctx.bw is not None
     return ctx.fw, ctx.bw
 
@@ -226,7 +236,8 @@ def _budget(ctx: Context) -> None:
 def _device_budget(ctx: Context) -> None:
     """Under ``device_budget``: what the streamed weights do not take bounds the saved
     activations (with ``memory_budget``, the smaller of the two)."""
-    room, ctx.weight_lead = activation_room(ctx.joint, ctx.options.device_budget, ctx.graph_name)
+    room, ctx.weight_lead = activation_room(ctx.joint, ctx.options.device_budget, ctx.graph_name,
+                                            short=ctx.short_lead)
     ctx.budget = room if ctx.budget is None else min(ctx.budget, room)
 
 
@@ -428,14 +439,8 @@ def _notes(blocks: BlockFacts, stride: int) -> list[str]:
 def _log_plan(plan: Plan) -> None:
     log.info("fxckpt %s", plan.summary())
     for row in plan.activations:
-        log.debug(
-            "fxckpt[%s] %-24s %-28s %10d B  %s",
-            plan.name,
-            row.name,
-            row.module or "-",
-            row.bytes,
-            row.decision.reason,
-        )
+        log.debug("fxckpt[%s] %-24s %-28s %10d B  %s", plan.name, row.name, row.module or "-",
+                  row.bytes, row.decision.reason)
     for note in plan.notes:
         log.info("fxckpt[%s] %s", plan.name, note)
     if plan.assumptions:

@@ -69,25 +69,28 @@ def largest_streamed(joint: fx.GraphModule) -> int:
     return max(sizes, default=0)
 
 
-def activation_room(joint: fx.GraphModule, total: object, graph_name: str) -> tuple[int, int | None]:
+def activation_room(joint: fx.GraphModule, total: object, graph_name: str, *, short: bool = False
+                    ) -> tuple[int, int | None]:
     """What ``device_budget`` (``total`` bytes) leaves the saved activations of ``joint``
     beside its streamed weights' copies, and the prefetch lead for :func:`schedule_streams`
     (``None``: the default).
 
     By default a weight's copy may run two largest weights ahead of its use: the copies take up
     to three times the largest streamed weight. A budget that leaves no room beside that is
-    served one weight ahead (twice the largest), with a warning; only a budget that cannot hold
-    two is an error."""
+    served one weight ahead (twice the largest), with a warning, and so is one whose saved
+    activations could not fit beside three (``short``: the partition plans it again); only a
+    budget that cannot hold two is an error."""
     assert isinstance(total, int)  # parsed to bytes by Options
     largest = largest_streamed(joint)
-    if total > 3 * largest:
+    if total > 3 * largest and not short:
         return total - 3 * largest, None
     if total > 2 * largest:
+        why = "leaves the saved activations too little beside" if short else "leaves no room beside"
         warnings.warn(
-            f"fxckpt[{graph_name}]: device_budget={total} bytes leaves no room beside three of "
-            f"its largest streamed weight ({largest} bytes: the one in use, two on their way); "
-            "each weight's copy is issued one weight ahead of its use instead, and less of it "
-            "hides behind compute", stacklevel=2,
+            f"fxckpt[{graph_name}]: device_budget={total} bytes {why} three of its largest "
+            f"streamed weight ({largest} bytes: the one in use, two on their way); each weight's "
+            "copy is issued one weight ahead of its use instead, and less of it hides behind "
+            "compute", stacklevel=2,
         )  # fmt: skip
         return total - 2 * largest, largest
     raise OptionsError(
