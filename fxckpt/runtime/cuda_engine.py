@@ -208,6 +208,8 @@ class CudaEngine:
         if rec.src is not None and rec.d2h is not None:
             rec.src_stream.wait_event(rec.d2h)
         rec.dev = rec.src = None
+        if rec.borrowed:  # a streamed weight's: no pool buffer waits on its copies
+            return ()
         return tuple(e.query for e in (rec.d2h, rec.h2d) if e is not None)
 
     def _join(self, compute: Any, copied: Any, meter: Any = None) -> None:
