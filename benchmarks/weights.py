@@ -164,6 +164,7 @@ def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, A
         mbps = block_bytes / (seconds * TARGET_COPY_TO_COMPUTE) / 1e6
     print(f"{name}: {work.description}; emulated link {mbps:.1f} MB/s each way (a block's "
           f"weight copy {TARGET_COPY_TO_COMPUTE:.2f}x its forward)", flush=True)  # fmt: skip
+    description, frozen_only = work.description, work.frozen_only
     del work
     rows: list[dict[str, Any]] = []
 
@@ -182,7 +183,7 @@ def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, A
         for off in (0.5, 0.9):
             budget = activations + 3 * largest + int((1 - off) * weight_bytes)
             report(run(name, f"fxckpt {int(off * 100)}% off", smoke, steps, device_budget=budget))
-        if rows[1]["planned_resident_weight_bytes"] == 0 and build(name, smoke).frozen_only:
+        if rows[1]["planned_resident_weight_bytes"] == 0 and frozen_only:
             report(run(name, "eager swap", smoke, steps))
             budget = 3 * largest
             while True:  # the smallest device budget that plans, by half a weight
@@ -205,7 +206,7 @@ def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, A
             row["measured_resident_weight_bytes"] = row["start_bytes"] - streamed_start
             row["weights_off_device"] = 1 - row["measured_resident_weight_bytes"] / weight_bytes
     by = {r["method"]: r for r in rows}
-    out: dict[str, Any] = {"description": build(name, smoke).description, "link_MBps": mbps,
+    out: dict[str, Any] = {"description": description, "link_MBps": mbps,
                            "streamed_weight_bytes": weight_bytes, "rows": rows}  # fmt: skip
     for method in ("fxckpt stream", "fxckpt 50% off", "fxckpt 90% off"):
         out[f"{method} / resident time"] = by[method]["step_ms"] / by["resident"]["step_ms"]
