@@ -14,7 +14,7 @@ import ctypes
 import logging
 import mmap
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +116,11 @@ class TorchCuda:
         if err != 0:
             raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {err}")
         return buf
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor from torch's pinned host allocator (which caches its blocks, so one
+        step's tensors serve the next): a streamed weight's gradient lands there."""
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
     def unlock(self, buf: torch.Tensor) -> None:
         """Undo :meth:`page_locked`; the memory goes once the last view of ``buf`` dies."""

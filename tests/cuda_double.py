@@ -20,6 +20,7 @@ the host clock (``advance``/``synchronize``): the slowest legal hardware.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -284,6 +285,12 @@ class FakeCuda:
         self.locked[buf.data_ptr()] = nbytes
         self.lock_calls += 1
         return buf
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        buf = self.page_locked(max(PAGE, -(-nbytes // PAGE) * PAGE))
+        return buf[:nbytes].view(dtype).view(tuple(shape))
 
     def unlock(self, buf: torch.Tensor) -> None:
         start = buf.data_ptr()

@@ -139,11 +139,68 @@ def test_copies_run_on_the_engine_ahead_of_their_use_and_a_missing_wait_is_seen(
     torch.manual_seed(0)
     engine.configure(copy_delay_s=0.002, poison_fresh=True)
     _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
-    # 16 parameters in the forward, the 8 weights again in the backward
-    assert fxckpt.stats()["copy_handoffs"] == 24
+    # 16 parameters in the forward, the 8 weights again in the backward, 16 gradients back
+    assert fxckpt.stats()["copy_handoffs"] == 40
 
     torch._dynamo.reset()
     engine.configure(copy_delay_s=0.002, poison_fresh=True, unsafe_skip_waits=True)
+    with pytest.raises(AssertionError):
+        _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
+
+
+def _backward_graph(monkeypatch: pytest.MonkeyPatch, model: nn.Module, **options: object
+                    ) -> torch.fx.GraphModule:
+    import fxckpt.passes.weights as weights
+
+    captured = []
+    real = weights.schedule_grads
+    monkeypatch.setattr(weights, "schedule_grads", lambda gm, *a, **k: captured.append(real(gm, *a, **k)) or captured[-1])
+    torch.compile(model, backend="fxckpt", options={"compiler": "eager", **options})(
+        torch.randn(8, 64, requires_grad=True)).backward()
+    (bw,) = captured
+    return bw
+
+
+def test_gradients_go_to_the_host_behind_the_backwards_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each gradient's copy starts where it is produced and is joined only once the next ones
+    would put more than twice the largest on their way; the host tensors go to autograd at the
+    end, one per trainable streamed weight, and no copy is made on the compute side."""
+    model = Blocks()
+    fxckpt.stream_weights(model, min_bytes=0)
+    bw = _backward_graph(monkeypatch, model)
+    ops = torch.ops.fxckpt
+    nodes = list(bw.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if n.target is ops.grad_offload.default]
+    joins = {n.args[0]: n for n in nodes if n.target is ops.offload_done.default}
+    hosts = [n for n in nodes if n.target is ops.grad_host.default]
+    assert not list(bw.graph.find_nodes(op="call_function", target=ops.stream_out.default))
+    assert len(starts) == len(hosts) == len(joins) == 16
+    first_host = min(at[h] for h in hosts)
+    assert all(at[joins[s]] < first_host for s in starts)
+    assert all(h.args[0] in joins for h in hosts) and at[nodes[-1]] == first_host + 16
+    largest = 64 * 64 * 4
+    for k, s in enumerate(starts):
+        grad = s.args[0]
+        assert at[grad] < at[s] and joins[s].args[1] is grad  # the join keeps the gradient alive
+        # in flight when this copy starts: the earlier ones not joined yet, within the lead
+        flying = [t for t in starts[:k] if at[joins[t]] > at[s]]
+        assert sum(t.args[0].meta["val"].nbytes for t in flying) + grad.meta["val"].nbytes <= 2 * largest
+    # each join comes at the latest start it must precede: no earlier than the one before it
+    assert [at[joins[s]] for s in starts] == sorted(at[joins[s]] for s in starts)
+
+
+def test_a_gradient_is_read_on_the_host_only_after_its_copy_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow copies: gradients exact; with the waits on their copies gone (the join's and
+    grad_host's host-side one), the host tensors go to autograd before the copies fill them."""
+    torch.manual_seed(0)
+    engine.configure(copy_delay_s=0.003)
+    _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
+    assert fxckpt.stats()["weight_d2h_bytes"] > 0
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine.CpuEngine, "wait_copied", lambda self, d2h, rec: None)
+    monkeypatch.setattr(engine.CpuEngine, "finish_offload", lambda self, rec: 0.0)
     with pytest.raises(AssertionError):
         _assert_matches_eager(Blocks(), {"compiler": "eager"}, steps=1)
 

@@ -146,6 +146,11 @@ def restores(bw: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], dict[torch.f
     return waits, at
 
 
+# Outputs that take no new device memory: a weight's copy kept across steps, and a gradient's
+# host tensor (fxckpt host memory, as the meter counts it).
+_NOT_ON_DEVICE = ("fxckpt.resident_weight.default", "fxckpt.grad_host.default")
+
+
 def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
                     transient: Collection[torch.fx.Node] = ()) -> int:
     """The peak of the memory one training step allocates, predicted from the liveness of its
@@ -154,7 +159,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
     batch; the backward takes the parameters it needs as inputs too; the streamed weights'
     device copies the plan keeps across steps, ``fxckpt::resident_weight``), and host memory
-    (the offload handles are 0-d CPU tensors). Counted in the backward: every other input (the
+    (the offload handles are 0-d CPU tensors; a streamed weight's gradient from
+    ``fxckpt::grad_host`` on). Counted in the backward: every other input (the
     saved tensors, freed at their last use; the tangents), what it computes and recomputes,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
     Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
@@ -164,7 +170,7 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     """
     inputs = input_storages(fw)
     transient = {*transient, *(n for gm in (fw, bw) for n in gm.graph.nodes
-                               if str(n.target) == "fxckpt.resident_weight.default")}  # fmt: skip
+                               if str(n.target) in _NOT_ON_DEVICE)}  # fmt: skip
     fw_live = live_bytes_timeline(fw, counted=lambda n: n not in transient, skip_storages=inputs)
     pos = {n: k for k, n in enumerate(bw.graph.nodes)}
     waits, at = restores(bw)

@@ -1,6 +1,6 @@
 """Streamed weights in the compiled graphs (:func:`fxckpt.stream_weights`).
 
-Two steps:
+The steps:
 
 - :func:`tag_streamed`, on the joint graph before any min-cut: each ``fxckpt::stream_in`` and
   the views of its output must be recomputed, so no partition ever saves a weight's device
@@ -15,6 +15,8 @@ Two steps:
   earlier weight, as far back as ``lead_bytes`` of weights in flight allow (at least the one
   before it), so the copy of one weight runs behind the compute on the weights before it. Both
   ops carry the roles :func:`fxckpt.passes.schedule.pin_positions` pins under Inductor.
+- :func:`fxckpt.passes.weight_grads.schedule_grads`, on the backward: a trainable weight's
+  gradient is copied to the host behind the compute after it, instead of on the compute side.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fxckpt.graph import meta
 from fxckpt.graph.blocks import node_module
 from fxckpt.graph.sizes import numel_bytes
 from fxckpt.passes.offload import _handle_val
+from fxckpt.passes.weight_grads import schedule_grads
 from fxckpt.planning.plan import PlannedWeight
 
 STREAM_IN = torch.ops.fxckpt.stream_in.default
@@ -152,12 +155,13 @@ def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_fl
 def place_weights(fw: fx.GraphModule, bw: fx.GraphModule, profile: str | None, room: int | None,
                   lead_bytes: int | None = None
                   ) -> tuple[fx.GraphModule, fx.GraphModule, list[PlannedWeight], str]:
-    """:func:`plan_weights`, then :func:`schedule_streams` on both graphs (``lead_bytes``: from
+    """:func:`plan_weights`, then :func:`schedule_streams` on both graphs and
+    :func:`~fxckpt.passes.weight_grads.schedule_grads` on the backward (``lead_bytes``: from
     :func:`activation_room`): the graphs, the plan's weight rows, and its note."""
     rows = plan_weights(fw, bw, room, in_flight=3 if lead_bytes is None else 2)
     resident = frozenset(w.name for w in rows if w.decision == "resident")
     fw = schedule_streams(fw, profile, lead_bytes, resident=resident)
-    bw = schedule_streams(bw, profile, lead_bytes, resident=resident)
+    bw = schedule_grads(schedule_streams(bw, profile, lead_bytes, resident=resident), profile, lead_bytes)
     kept = sum(w.bytes for w in rows if w.decision == "resident")
     h2d = sum(w.step_h2d_bytes for w in rows)
     note = (f"{len(rows)} streamed weight(s): {len(rows) - len(resident)} copied to the device "

@@ -65,9 +65,13 @@ class Transfer:
     profile: Any = None
     # The copy meter (runtime.copy_meter) of the compiled graph whose forward started it.
     meter: Any = None
-    # ``host`` is a streamed weight's own storage, not a pool buffer: nothing goes back to the
-    # pool, and no device-to-host copy came first (runtime/weight_ops.py).
+    # ``host`` is a streamed weight's own storage (no device-to-host copy came first) or its
+    # gradient's host tensor, not a pool buffer: nothing goes back to the pool
+    # (runtime/weight_ops.py).
     borrowed: bool = False
+    # A streamed weight's gradient (``fxckpt::grad_offload``): the host tensor its copy fills,
+    # handed to autograd by ``fxckpt::grad_host``.
+    landing: torch.Tensor | None = None
 
     @property
     def size(self) -> tuple[int, ...]:

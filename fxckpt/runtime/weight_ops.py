@@ -15,7 +15,13 @@ again only after the host weight is written (its version counter moves: the opti
 
 A trainable weight's gradient leaves the device through ``fxckpt::stream_out``, the backward
 of ``stream_in``: a device-to-host copy into a new host tensor that autograd accumulates into
-the host parameter's ``.grad``.
+the host parameter's ``.grad``, made on the compute side. In a compiled backward the backend
+splits it in three (:mod:`fxckpt.passes.weight_grads`): ``fxckpt::grad_offload`` starts the copy
+on the engine's device-to-host queue where the gradient is produced; the activations' join,
+``fxckpt::offload_done``, makes compute wait for it a few gradients later, after which the
+device gradient may be freed; ``fxckpt::grad_host``, at the backward's end, waits on the host
+side too and hands autograd the host tensor. So every gradient is complete in its host
+``.grad`` when the backward returns, as after ``stream_out``.
 
 Ordering with the optimizer, which writes host weights: every host-to-device copy of a weight
 is recorded until it is known complete; :func:`fence` blocks until all are, and fxckpt runs it
@@ -26,17 +32,19 @@ before every optimizer step that holds a streamed weight (a global step pre-hook
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
 
-from fxckpt import _link
+from fxckpt import _cuda, _link
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import copy_meter, profiles, stats
+from fxckpt.runtime import copy_meter, pool, profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
-from fxckpt.runtime.handles import next_id, register, span_of
+from fxckpt.runtime.engine import _config as engine_config
+from fxckpt.runtime.handles import lookup, next_id, register, span_of
 from fxckpt.runtime.transfer import UNSAFE, start_prefetch
 
 # Storage address -> bytes of every live host tensor fxckpt made for a streamed weight or its
@@ -181,6 +189,67 @@ def _(grad: torch.Tensor) -> torch.Tensor:
     return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
 
 
+@torch.library.custom_op("fxckpt::grad_offload", mutates_args=(),
+                         schema="(Tensor grad, Tensor[]? after=None, *, str? profile=None) -> Tensor",
+                         tags=UNSAFE)  # fmt: skip
+def grad_offload(grad: torch.Tensor, after: Sequence[torch.Tensor] | None = None, *,
+                 profile: str | None = None) -> torch.Tensor:
+    """Start copying a streamed weight's gradient into a new host tensor (fxckpt host memory)
+    on the copy engine's device-to-host queue; returns the handle that ``fxckpt::offload_done``
+    joins and ``fxckpt::grad_host`` takes the host tensor from. ``after``: for ordering only."""
+    src = grad.contiguous()  # kept (rec.src) until the join
+    pinned = src.device.type in pool.PINNED_TYPES  # a copy from pageable memory would block
+    host = adopt_host(_cuda.CUDA.pinned_empty(src.shape, src.dtype) if pinned
+                      else torch.empty(src.shape, dtype=src.dtype, device="cpu"))  # fmt: skip
+    rec = Transfer(
+        hid=next_id(),
+        parts=(Part(tuple(src.shape), tuple(src.stride()), src.numel(), 0, src.nbytes),),
+        dtype=src.dtype,
+        device=src.device,
+        nbytes=src.nbytes,
+        profile=profiles.lookup(profile),
+        borrowed=True,
+        landing=host,
+    )
+    if src.nbytes:
+        rec.host, rec.src = host.view(-1).view(torch.uint8), src
+        rec.meter = copy_meter.active()
+        rec.profile.engine(src.device).start_offload(rec, [(src.view(-1).view(torch.uint8), rec.host)])
+        stats.add("weight_d2h_bytes", src.nbytes)
+    return register(rec)
+
+
+@grad_offload.register_fake
+def _(grad: torch.Tensor, after: Sequence[torch.Tensor] | None = None, *,
+      profile: str | None = None) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("fxckpt::grad_host", mutates_args=(),
+                         schema="(Tensor handle, SymInt[] size, ScalarType dtype, Tensor[]? after=None) -> Tensor",
+                         tags=UNSAFE)  # fmt: skip
+def grad_host(handle: torch.Tensor, size: Sequence[int], dtype: torch.dtype,
+              after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """The host tensor ``fxckpt::grad_offload`` filled, once the host has seen its copy
+    complete (not only compute: autograd accumulates it on the CPU next)."""
+    rec = lookup(handle)
+    if rec.d2h is not None and not engine_config.unsafe_skip_waits:
+        started, done = time.perf_counter(), _finished(rec.d2h)
+        rec.profile.engine(rec.device).wait_copied(rec.d2h, rec)
+        if not done:
+            stats.add("stall_seconds", time.perf_counter() - started)
+    out, rec.landing = rec.landing, None
+    if out is None:
+        raise RuntimeCopyError(f"fxckpt::grad_host: {rec.describe()} was taken already")
+    return out
+
+
+@grad_host.register_fake
+def _(handle: torch.Tensor, size: Sequence[int], dtype: torch.dtype,
+      after: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype, device="cpu")
+
+
 @torch.library.custom_op(
     "fxckpt::weight_prefetch",
     mutates_args=(),
@@ -255,6 +324,8 @@ OPS = (
     torch.ops.fxckpt.resident_weight.default,
     torch.ops.fxckpt.stream_out.default,
     torch.ops.fxckpt.weight_prefetch.default,
+    torch.ops.fxckpt.grad_offload.default,
+    torch.ops.fxckpt.grad_host.default,
 )
-for _op in OPS[3:]:  # its handle may go unused until the wait: never dead code
+for _op in OPS[3:]:  # never dead code: a handle may go unused until its wait or join
     torch.fx.node.has_side_effect(_op)

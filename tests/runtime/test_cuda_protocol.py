@@ -348,3 +348,24 @@ def test_the_optimizer_writes_a_host_weight_only_after_its_copies_read_it(hw):
     weight_ops.fence()
     hw.host_access(w.data_ptr(), w.nbytes, write=True, what="optimizer step")
     assert hw.races == []
+
+
+def test_a_streamed_weights_gradient_reaches_the_host_only_after_its_copy(hw):
+    """``fxckpt::grad_offload`` where the gradient is produced, the join a few gradients later
+    (its block reused after it), ``fxckpt::grad_host`` at the backward's end: the host reads
+    the gradient (autograd accumulates it) only once it has seen the copy complete."""
+    g = produce(hw)
+    want = g.clone()
+    h = OPS.grad_offload(g)
+    hw.kernel("the next gradients", ms=5.0)
+    OPS.offload_done(h, g)
+    ptr = g.data_ptr()
+    del g
+    reused = hw.empty(256, torch.float32, DEV)
+    assert reused.data_ptr() == ptr
+    hw.kernel("the backward goes on", writes=[reused])
+    host = OPS.grad_host(h, want.shape, want.dtype)
+    hw.host_access(host.data_ptr(), host.nbytes, write=False, what="AccumulateGrad")
+    assert torch.equal(host, want)
+    assert hw.races == [] and hw.pageable_copies == []
+

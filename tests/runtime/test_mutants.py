@@ -45,6 +45,8 @@ MUTANTS = [
     # Streamed weights: the optimizer's host write waits for the copies still reading it.
     ("runtime/weight_ops.py", "_pending(rec.h2d)", 1, "pass"),
     ("runtime/weight_ops.py", "done.synchronize()", 1, "pass"),
+    # A streamed weight's gradient: the host reads it only once it has seen its copy complete.
+    ("runtime/weight_ops.py", "rec.profile.engine(rec.device).wait_copied(rec.d2h, rec)", 1, "pass"),
 ]
 
 
