@@ -457,7 +457,9 @@ def test_conv_layout_smallest_run_has_every_method(tmp_path, capsys):
     from benchmarks.conv_layout import METHODS
 
     path = tmp_path / "conv_layout.json"
-    assert _main("conv_layout", "--rounds", "1", "--steps", "1", "--widths", "4", "8",
+    # Widths of 8 and more: at 4 channels plain Inductor's mkldnn path corrupts the heap on
+    # some x86 CPUs (glibc aborts in the backward's convolution_backward; pytorch/pytorch#181618).
+    assert _main("conv_layout", "--rounds", "1", "--steps", "1", "--widths", "8", "16",
                  "--batch", "2", "--side", "8", "--json", str(path)) == 0
     out = capsys.readouterr().out
     rows = json.loads(path.read_text())
