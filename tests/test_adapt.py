@@ -132,6 +132,7 @@ def test_cost_model_unit_is_measured_not_replanned(always: None) -> None:
     assert fxckpt.stats()["replans"] == 0 and _replanned(names, 0)
 
 
+@pytest.mark.heavy
 def test_a_replan_under_dynamic_shapes_keeps_one_graph_for_every_length(always: None) -> None:
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     names = train(EAGER_ALL, 8, lengths=[16, 24, 17, 31], dynamic=True)

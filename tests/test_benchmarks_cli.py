@@ -235,6 +235,7 @@ def test_gpu_shaped_names_an_unknown_row_before_running_anything():
         _main("gpu_shaped", "--smoke", "--only", "fxckpt_nope")
 
 
+@pytest.mark.heavy
 def test_gpu_shaped_smoke_writes_rows_link_and_the_five_goals(tmp_path, capsys):
     from benchmarks.goals import GOAL_KEYS, MET, NOT_MET
 
@@ -453,6 +454,7 @@ def test_positions_smoke_places_every_op_of_the_chain(tmp_path, capsys):
 
 @pytest.mark.slow  # five Inductor compiles, caches off: 30 s (warm kernel cache) to 110 s
 @pytest.mark.inductor
+@pytest.mark.heavy
 def test_conv_layout_smallest_run_has_every_method(tmp_path, capsys):
     from benchmarks.conv_layout import METHODS
 
@@ -517,6 +519,7 @@ def test_the_cuda_graph_check_is_wired_into_gpu_check_and_skips_the_eager_compil
     assert failures == [] and "skipped" in figures
 
 
+@pytest.mark.heavy
 def test_the_conv_case_passes_on_the_cpu_and_gives_gpu_check_one_record(tmp_path, capsys):
     # compiler="eager" here (the Inductor case runs under tests/test_conv_inductor.py and on
     # a GPU through gpu_check): the verdicts and the record's shape, not Inductor's layouts.
@@ -536,6 +539,7 @@ def test_the_conv_case_passes_on_the_cpu_and_gives_gpu_check_one_record(tmp_path
         assert row["first_step_held_bytes"] == [row["held_bytes"]]
 
 
+@pytest.mark.heavy
 def test_the_weights_benchmark_runs_its_methods_with_equal_gradients(tmp_path, capsys):
     path = tmp_path / "weights.json"
     assert _main("weights", "--smoke", "--models", "stack", "--json", str(path)) == 0
@@ -558,6 +562,7 @@ def test_the_weights_benchmark_runs_its_methods_with_equal_gradients(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_weights_benchmark_trains_diffusers_and_transformers_models_like_resident(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")

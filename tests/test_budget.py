@@ -52,6 +52,7 @@ def test_planned_and_measured_bytes_fit(fraction: float) -> None:
     assert fxckpt.stats()["planned_kept_bytes"] <= measured.held_bytes
 
 
+@pytest.mark.heavy
 def test_budget_is_monotone() -> None:
     measured, planned, cost = [], [], []
     for fraction in (1.0, 0.5, 0.25, 0.1):
@@ -145,6 +146,7 @@ def test_a_round_that_falls_short_recomputes_more_blocks(monkeypatch: pytest.Mon
     assert any("recomputes blocks" in n for n in plan.notes), plan.notes
 
 
+@pytest.mark.heavy
 def test_budgets_between_rungs_get_plans_between_rungs() -> None:
     # Offload cannot help: the budget gets the least recompute that meets it, k of N blocks
     # plus single ops, not the next rung of a fixed ladder (every other block, every block).

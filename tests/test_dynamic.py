@@ -107,6 +107,7 @@ def test_a_budget_holds_for_symbolic_plans() -> None:
     assert plans[0].offloaded_bytes > 0
 
 
+@pytest.mark.heavy
 def test_pool_hit_rate_over_50_steps_of_mixed_lengths_with_dynamic_true(
     empty_pool: None, capsys: pytest.CaptureFixture
 ) -> None:
@@ -174,6 +175,7 @@ def test_symbolic_offload_under_inductor() -> None:
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
 
 
+@pytest.mark.heavy
 def test_long_context_example_fits_lengths_plain_compile_cannot(capsys: pytest.CaptureFixture) -> None:
     """examples/long_context.py, small: under a byte budget, the longer lengths overflow plain
     compile's saved bytes while fxckpt's resident bytes (measured) and peak (planned) meet it."""

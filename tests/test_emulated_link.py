@@ -155,7 +155,7 @@ def test_copies_are_planned_with_a_margin_over_the_link() -> None:
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.parametrize("coalesce", ["auto", "never"])
+@pytest.mark.parametrize("coalesce", ["auto", pytest.param("never", marks=pytest.mark.heavy)])
 def test_under_inductor_a_slow_copy_reads_the_buffer_its_join_keeps(coalesce: str) -> None:
     # A saved view Inductor cannot express over its base (the attention's transposed
     # reshapes) reached offload and offload_done as two copies of its own: Inductor reused the

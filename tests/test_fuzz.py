@@ -238,6 +238,7 @@ def _random_models_train_like_eager(spec: Spec, options: dict[str, Any], delay: 
         event("host pool fallback")
 
 
+@pytest.mark.heavy
 def test_random_models_under_random_options_train_like_eager(capsys: pytest.CaptureFixture) -> None:
     COUNTS.clear()
     _random_models_train_like_eager()

@@ -76,6 +76,7 @@ def test_deadline_skips_what_does_not_fit():
     assert d.allows(5.0) and not d.allows(60.0)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs every check")
 def test_without_cuda_it_runs_the_cpu_checks_skips_the_rest_and_writes_one_json(tmp_path, capsys):
     from benchmarks.goals import GOAL_KEYS

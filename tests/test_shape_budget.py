@@ -52,6 +52,7 @@ def _matches_eager(
         torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.heavy
 def test_a_byte_budget_holds_at_every_length_with_dynamic_true() -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=2)
@@ -75,6 +76,7 @@ def test_a_byte_budget_holds_at_every_length_with_dynamic_true() -> None:
     assert "size()[1]=1024" in err.sizes and "size()[1]=1024" in str(err)
 
 
+@pytest.mark.heavy
 def test_a_fraction_stays_a_fraction_of_each_lengths_own_baseline() -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=2)

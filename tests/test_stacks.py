@@ -70,6 +70,7 @@ def _trained(name: str, blocks: str | None = None) -> tuple[fxckpt.Plan, int]:
     return plan, measure_forward(compiled, inputs, warm=False).held_bytes
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=ONE_GRAPH) if n != "resnet" else n for n in CASES]
 )
@@ -90,6 +91,7 @@ def test_every_stack_is_found_and_numbered_in_execution_order(name: str) -> None
                    for r in plan.activations), prefix  # fmt: skip
 
 
+@pytest.mark.heavy
 @ONE_GRAPH
 def test_stride_over_both_stacks_holds_what_one_stack_cannot() -> None:
     # With only the decoder's blocks (the old detection, written as a regex), a stride of 2
@@ -102,6 +104,7 @@ def test_stride_over_both_stacks_holds_what_one_stack_cannot() -> None:
     assert both < 0.35 * plain < 0.5 * plain < decoder_only, (both, decoder_only, plain)
 
 
+@pytest.mark.heavy
 @ONE_GRAPH
 def test_a_group_without_digits_numbers_the_item_the_match_ends_in() -> None:
     # The pattern: group 1 is "encoder" or "decoder"; it used to give no block an

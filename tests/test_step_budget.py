@@ -132,6 +132,7 @@ def _llama_checkpointed(layers: int = 6, hidden: int = 64, vocab: int = 32, seq:
     return model.train(), {"input_ids": ids, "labels": ids}
 
 
+@pytest.mark.heavy
 def test_gpt2_with_dropout_meets_the_step_budget() -> None:
     plans = _check_step(_gpt2, reference="aot_eager", min_offload_bytes=0)
     assert len({p.name for p in plans}) >= 2  # the loss after the break is a graph of its own
@@ -146,10 +147,12 @@ def test_a_loss_after_a_graph_break_meets_the_step_budget() -> None:
     assert loss.resident_peak_bytes > FRACTION * loss.baseline_saved_bytes
 
 
+@pytest.mark.heavy
 def test_an_moe_with_routing_meets_the_step_budget() -> None:
     _check_step(_qwen2_moe, min_offload_bytes=0)
 
 
+@pytest.mark.heavy
 def test_hf_gradient_checkpointing_meets_the_step_budget() -> None:
     plans = _check_step(_llama_checkpointed)
     names = {p.name for p in plans}

@@ -61,7 +61,7 @@ def test_the_prediction_round_trips_with_the_plan() -> None:
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.parametrize("budget", [0.5, 0.3])
+@pytest.mark.parametrize("budget", [0.5, pytest.param(0.3, marks=pytest.mark.heavy)])
 def test_under_inductor_the_predicted_step_peak_is_inductors_own_and_the_measured_one(
         budget: float) -> None:
     # The graphs' liveness reads 6.8 % and 4.1 % above the meter here: it cannot see what

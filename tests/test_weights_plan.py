@@ -51,6 +51,7 @@ def test_a_compiled_plan_and_the_offline_one_place_the_weights_alike() -> None:
 
 @pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("diffusers", "peft")),
                     reason="needs diffusers and peft")  # fmt: skip
+@pytest.mark.heavy
 def test_the_cli_shows_a_dit_with_lora_streaming_its_base(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = (f"{EXAMPLE}:small", "--stream-weights", "--frozen-only", "--device-budget", "2MiB", "-q")
     code, out, err = run(capsys, *args)

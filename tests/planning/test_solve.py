@@ -162,6 +162,7 @@ def test_no_budget_keeps_everything_not_forced():
         solve(pb, 10, method="simplex")
 
 
+@pytest.mark.heavy
 def test_optimality_against_brute_force(capsys):
     """Greedy's cost gap and MILP == brute on seeded instances with up to 10 candidates."""
     gaps, optimal, milp_exact, milp_contended = [], 0, [], []
