@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from fxckpt import residency
 from fxckpt._modules import make_callable
 from fxckpt.errors import OptionsError
 from fxckpt.options import Options, options_from_env
-from fxckpt.planning.plan import Plan
+from fxckpt.planning.plan import Plan, plan_payload
 
 if TYPE_CHECKING:
     from fxckpt.runtime.profiles import Profile
@@ -51,7 +50,7 @@ def record_plan(plan: Plan) -> str:
     """Register a plan for :func:`fxckpt.last_plans`; returns its JSON payload."""
     from fxckpt.runtime import stats
 
-    payload = json.dumps(plan.to_dict(), sort_keys=True)
+    payload = plan_payload(plan)
     stats.add_plan_payload(payload)
     return payload
 

@@ -62,6 +62,13 @@ class BudgetError(FxckptError):
                 f"step: the smallest the step reaches is {smallest_bytes} bytes "
                 f"({detail}){hint}."
             )
+        elif option == "peak_budget":
+            self.summary = (
+                f"fxckpt: graph {graph!r} cannot meet peak_budget={budget_bytes} bytes{at}: the "
+                f"smallest step peak the planner reaches there is {smallest_bytes} bytes (saved "
+                f"activations, what the backward rebuilds and restores, gradients and "
+                f"temporaries){hint}."
+            )
         else:
             self.summary = (
                 f"fxckpt: graph {graph!r} cannot meet {option}{at}: it leaves the saved "

@@ -112,6 +112,19 @@ def _parse_device_budget(value: Any) -> int | None:
     return budget
 
 
+def _parse_peak_budget(value: Any) -> int | None:
+    accepted = 'None, a positive int number of bytes, or a string such as "12GiB"'
+    if value is None:
+        return None
+    if isinstance(value, float) or value == "auto":
+        raise OptionsError("peak_budget", value, accepted,
+                           "the peak budget is bytes: what fxckpt.measure reads as the step's peak")  # fmt: skip
+    budget = parse_bytes(value, "peak_budget")
+    if not budget:
+        raise OptionsError("peak_budget", value, accepted, "a zero budget; use None for no limit")
+    return budget
+
+
 def _parse_host_budget(value: Any) -> int | float | str | None:
     option, accepted = "host_budget", _HOST_BUDGET_ACCEPTED
     if value is None or (isinstance(value, str) and value == "auto"):
@@ -219,6 +232,9 @@ class Options:
     # With streamed weights (fxckpt.stream_weights): bytes for the saved activations and the
     # weight copies on the device together, per graph; None: no such bound.
     device_budget: int | str | None = _default(None)
+    # Bytes for the whole step's peak of one graph (saved, rebuilt and restored tensors,
+    # gradients, temporaries), as plans predict it and fxckpt.measure reads it; None: no bound.
+    peak_budget: int | str | None = _default(None)
     blocks: str | None = _default(None)
     block_index: int | None = _default(None)
 
@@ -243,6 +259,7 @@ class Options:
 
         put("memory_budget", _parse_budget(self.memory_budget))
         put("device_budget", _parse_device_budget(self.device_budget))
+        put("peak_budget", _parse_peak_budget(self.peak_budget))
         stride = _parse_int(self.segment_stride, "segment_stride", 0)
         put("segment_stride", stride)
         width = stride if self.segment_width is None else self.segment_width

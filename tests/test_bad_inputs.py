@@ -46,6 +46,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": [None, 0],
         "budget_scope": [None, 1],
         "device_budget": [True, [1]],
+        "peak_budget": [True, [1]],
         "blocks": [3, ["layers"], b"layers"],
         "block_index": ["0", 1.0, True, [0]],
         "adapt": [1, None, True],
@@ -69,6 +70,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": ["ignore", "Raise"],
         "budget_scope": ["steps", "Graph"],
         "device_budget": [0, -1, 0.5, "auto"],
+        "peak_budget": [0, -1, 0.5, "auto"],
         "blocks": ["(", "layers[", "*", ""],
         "block_index": [-1, -8],
         "adapt": ["sometimes", "Auto", ""],
@@ -92,6 +94,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": [NAN],
         "budget_scope": [NAN],
         "device_budget": [NAN, INF],
+        "peak_budget": [NAN, INF],
         "blocks": [NAN],
         "block_index": [NAN, INF],
         "adapt": [NAN],
@@ -115,6 +118,7 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "on_infeasible": None,
         "budget_scope": None,
         "device_budget": ["12 XB", "6 GiBs"],
+        "peak_budget": ["12 XB", "6 GiBs"],
         "blocks": None,
         "block_index": None,
         "adapt": None,
@@ -165,7 +169,7 @@ def test_the_matrix_covers_every_option_with_every_kind() -> None:
     for kind, per_option in MATRIX.items():
         assert set(per_option) == set(OPTION_NAMES), (kind, set(OPTION_NAMES) ^ set(per_option))
     byte_options = {"memory_budget", "min_offload_bytes", "pinned_pool_bytes", "bandwidth",
-                    "host_budget", "offload_dir_bandwidth", "device_budget"}
+                    "host_budget", "offload_dir_bandwidth", "device_budget", "peak_budget"}
     assert {n for n, v in MATRIX["unknown unit"].items() if v} == byte_options
     for kind in ("wrong type", "out of range", "NaN or infinite"):
         assert all(MATRIX[kind][n] for n in OPTION_NAMES), kind

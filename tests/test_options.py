@@ -70,6 +70,7 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "adapt", v) for v in ["always", "Auto", None, True, 2]),
     *(({}, "budget_scope", v) for v in ["steps", "Graph", None, 0]),
     *(({}, "device_budget", v) for v in [True, 0, -1, 0.5, "auto", "lots", NAN, [1]]),
+    *(({}, "peak_budget", v) for v in [True, 0, -1, 0.5, "auto", "lots", NAN, [1]]),
     *(({}, "blocks", v) for v in ["(", "layers[", "*", "", 3, b"layers", ["layers"]]),
     *(({}, "block_index", v) for v in [-1, "0", 1.0, True]),
     ({"blocks": "layers"}, "block_index", 0),
@@ -227,7 +228,7 @@ def test_defaults() -> None:
         "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
         "bandwidth": None, "cost_model": "flops",
         "compiler": "inductor", "on_infeasible": "raise", "adapt": "auto",
-        "budget_scope": "step", "device_budget": None, "blocks": None,
+        "budget_scope": "step", "device_budget": None, "peak_budget": None, "blocks": None,
         "block_index": None,
     }  # fmt: skip
 
@@ -346,7 +347,7 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 def test_option_names() -> None:
     fields = tuple(f.name for f in dataclasses.fields(Options))
     assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
-    assert len(fields) == 20
+    assert len(fields) == 21
 
 
 @pytest.mark.parametrize(

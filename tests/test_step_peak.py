@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from equality import assert_step_matches
 from measured import measure_step
 from models import GPT, gpt_inputs
 
@@ -114,3 +115,68 @@ def test_what_inductor_fuses_is_left_out_of_the_step_peak() -> None:
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
     assert {n.name for n in fused_intermediates(gm)} == {"mul"}
+
+
+def _plain_step_peak(model: torch.nn.Module, inputs: tuple) -> int:
+    plain = torch.compile(copy.deepcopy(model), backend=fxckpt.backend(compiler="eager"))
+    peak = measure_step(plain, inputs).peak_bytes
+    fxckpt.reset_stats()  # its plan is not the one under test
+    torch._dynamo.reset()
+    return peak
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.45])
+def test_a_peak_budget_holds_the_measured_step_peak(fraction: float) -> None:
+    # peak_budget bounds the whole step's peak, which memory_budget (the saved activations)
+    # does not: the meter reads it from the allocator, over forward and backward.
+    torch.manual_seed(0)
+    model, inputs = GPT(n_layers=4), gpt_inputs(batch=2, seq=64)
+    target = int(fraction * _plain_step_peak(model, inputs))
+    backend = fxckpt.backend(compiler="eager", peak_budget=target)
+    compiled = assert_step_matches(copy.deepcopy(model), inputs, backend)
+    measured = measure_step(compiled, inputs)
+    (plan,) = fxckpt.last_plans()
+    assert measured.peak_bytes <= target
+    assert measured.peak_bytes == pytest.approx(plan.predicted_step_peak_bytes, rel=5e-3)
+    assert any(n.startswith(f"peak_budget={target} bytes") for n in plan.notes), plan.notes
+
+
+def test_a_peak_budget_keeps_what_fits_rather_than_the_least_peak() -> None:
+    # The plan kept is the cheapest that fits, not the lowest: a roomy peak budget recomputes
+    # less than a tight one, and no plan above the budget is kept.
+    torch.manual_seed(0)
+    model, inputs = GPT(n_layers=4), gpt_inputs(batch=2, seq=64)
+    plain = _plain_step_peak(model, inputs)
+    plans = []
+    for fraction in (0.9, 0.5):
+        fxckpt.reset_stats()
+        torch._dynamo.reset()
+        backend = fxckpt.backend(compiler="eager", peak_budget=int(fraction * plain))
+        torch.compile(copy.deepcopy(model), backend=backend)(*inputs).backward()
+        (plan,) = fxckpt.last_plans()  # one plan recorded, however many were tried
+        assert plan.predicted_step_peak_bytes <= int(fraction * plain)
+        plans.append(plan)
+    roomy, tight = plans
+    assert roomy.predicted_step_peak_bytes > tight.predicted_step_peak_bytes
+    assert roomy.recomputed_bytes < tight.recomputed_bytes
+
+
+def test_a_peak_budget_below_the_graphs_floor_names_peak_budget() -> None:
+    torch.manual_seed(0)
+    model, inputs = GPT(n_layers=2), gpt_inputs(batch=2, seq=64)
+    target = int(0.05 * _plain_step_peak(model, inputs))
+    backend = fxckpt.backend(compiler="eager", peak_budget=target)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(copy.deepcopy(model), backend=backend)(*inputs).backward()
+    err = info.value.inner_exception  # dynamo wraps what a backend raises (docs/options.md)
+    assert isinstance(err, fxckpt.BudgetError)
+    assert err.option == "peak_budget" and err.budget_bytes == target
+    assert err.smallest_bytes > target
+    assert f"peak_budget={target} bytes" in str(err) and "smallest step peak" in str(err)
+    # With on_infeasible="warn" the smallest of the plans runs, and says so.
+    fxckpt.reset_stats()
+    torch._dynamo.reset()
+    backend = fxckpt.backend(compiler="eager", peak_budget=target, on_infeasible="warn")
+    with pytest.warns(UserWarning, match="peak_budget"):
+        measured = measure_step(torch.compile(copy.deepcopy(model), backend=backend), inputs)
+    assert measured.peak_bytes == pytest.approx(err.smallest_bytes, rel=5e-3)

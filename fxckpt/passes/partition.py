@@ -25,6 +25,9 @@
     pin positions     (Inductor) passes.schedule: every planned position holds in codegen
     log               the plan, to the log and the structured trace
 
+Under ``peak_budget`` the stages run again, each time from a copy of the joint graph, with the
+saved activations held lower until the predicted step peak fits (:mod:`fxckpt.passes.peak_fit`).
+
 Each stage is a function of the context; :mod:`fxckpt.passes.pipeline` runs them, times
 each, and tells listeners (``fxckpt inspect``'s progress lines) when one is done.
 """
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,7 +46,6 @@ import torch.fx as fx
 from fxckpt._torch_compat import (
     dedup_joint,
     lazy_graph_modules,
-    trace_plan_artifact,
 )
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import (
@@ -63,7 +64,8 @@ from fxckpt.passes.cutting import gc_frozen, min_cut
 from fxckpt.passes.inductor_peak import tag_graphs
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
-from fxckpt.passes.pipeline import Stage, run
+from fxckpt.passes.peak_fit import fit_peak
+from fxckpt.passes.pipeline import Stage, log_plan, run
 from fxckpt.passes.rounds import (
     Attempt,
     GraphPair,
@@ -77,13 +79,13 @@ from fxckpt.passes.schedule import fused_intermediates, pin_positions, placement
 from fxckpt.passes.segment import SegmentReport, segment_of, tag_segments
 from fxckpt.passes.shape_budget import (
     BudgetCheck,
-    check_budget,
+    check_attempt,
     sizes_note,
     upper_bounds_to_plan_for,
 )
 from fxckpt.passes.weights import activation_room, place_weights, tag_streamed
 from fxckpt.planning import step_budget
-from fxckpt.planning.plan import Plan, describe_assumptions
+from fxckpt.planning.plan import Plan, plan_payload
 from fxckpt.planning.plan_round import Partition, infeasible, settle, timeline
 from fxckpt.planning.planner import build_plan
 from fxckpt.planning.problem import segment_recompute_ms, user_offload_requests
@@ -116,6 +118,8 @@ class Context:
     streamed: int = 0  # stream_in nodes of the joint graph
     weight_lead: int | None = None  # device budget: a prefetch lead smaller than the default
     short_lead: bool = False  # planned again with it: the default left the activations too little
+    # peak_budget (passes.peak_fit): what the saved activations are held to for the step's peak
+    peak_cap: int | None = None
     # blocks
     blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
     source: fx.GraphModule | None = None  # the joint graph that segments tag
@@ -171,18 +175,30 @@ def partition(
     bounds = upper_bounds_to_plan_for(joint, options)
     if bounds:
         log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
-    args = (joint_inputs, options, graph_name, num_fwd_outputs, record, inductor, measured,
-            {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)
-    # device_budget: where the default lead leaves the activations too little, one weight ahead.
-    again, ctx = clone_joint(joint) if options.device_budget is not None else None, Context(joint, *args)
-    with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
+
+    def once(joint: fx.GraphModule, record: Callable[[Plan], str], cap: int | None = None) -> Context:
+        args = (joint_inputs, options, graph_name, num_fwd_outputs, record, inductor, measured,
+                {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)
+        # device_budget: where the default lead leaves the activations too little, one weight ahead.
+        again = clone_joint(joint) if options.device_budget is not None else None
+        ctx = Context(joint, *args, peak_cap=cap)
         try:
             run(ctx, graph_name, STAGES)
         except BudgetError as e:
             if again is None or e.option != "device_budget" or ctx.weight_lead is not None:
                 raise
-            ctx = Context(again, *args, short_lead=True)  # a copy: min-cut consumed the joint
+            ctx = Context(again, *args, short_lead=True, peak_cap=cap)  # min-cut consumed the joint
             run(ctx, graph_name, STAGES)
+        return ctx
+
+    with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
+        if options.peak_budget is None:
+            ctx = once(joint, record)
+        else:  # each plan from a copy (min-cut consumes the joint); only the kept one is recorded
+            ctx = fit_peak(lambda cap: once(clone_joint(joint), plan_payload, cap),
+                           lambda c: c.plan, options, graph_name)  # type: ignore[arg-type, return-value]
+            assert ctx.plan is not None
+            record(ctx.plan)  # the payload its forward carries already
     assert ctx.fw is not None and ctx.bw is not None
     return ctx.fw, ctx.bw
 
@@ -231,6 +247,8 @@ def _budget(ctx: Context) -> None:
         assert ctx.base is not None
         inputs = saved_inputs(ctx.base[0], ctx.num_fwd_outputs, ctx.ticket.produced)
         ctx.budget = ctx.ticket.share(baseline_bytes, ctx.graph_name, inputs)
+    if ctx.peak_cap is not None:
+        ctx.budget = ctx.peak_cap if ctx.budget is None else min(ctx.budget, ctx.peak_cap)
 
 
 def _device_budget(ctx: Context) -> None:
@@ -277,7 +295,7 @@ def _plan(ctx: Context) -> None:
     )  # fmt: skip
     attempt = plan_at(budget)
     if ctx.sizes and budget is not None and if_feasible(attempt):
-        check = functools.partial(_check_budget, base_fw=ctx.base[0], baseline=ctx.baseline,
+        check = functools.partial(check_attempt, base_fw=ctx.base[0], baseline=ctx.baseline,
                                   options=options, budget=budget)  # fmt: skip
         ctx.range_check = check(attempt)
         if ctx.range_check.shortfall is not None:
@@ -301,6 +319,9 @@ def _settle(ctx: Context) -> None:
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
     segments.update(dict.fromkeys(rounds.layout.blocks, -1))
     notes = _notes(blocks, stride) + rounds.notes()
+    if ctx.peak_cap is not None:
+        notes.append(f"peak_budget={options.peak_budget} bytes: the saved activations held to "
+                     f"{ctx.peak_cap} bytes for the step's peak to fit")
     if report.kept_random:
         notes.append(f"{report.kept_random} random ops inside segments stay saved")
     peak = plan_timeline = None
@@ -382,7 +403,7 @@ def _pin_positions(ctx: Context) -> None:
 
 def _log(ctx: Context) -> None:
     assert ctx.plan is not None
-    _log_plan(ctx.plan)
+    log_plan(ctx.plan)
 
 
 def _under_inductor(ctx: Context) -> bool:
@@ -411,21 +432,6 @@ STAGES: tuple[Stage[Context], ...] = (
 )
 
 
-def _check_budget(
-    attempt: Attempt, *, base_fw: fx.GraphModule, baseline: list[SavedActivation],
-    options: Options, budget: int,
-) -> BudgetCheck:
-    decision = attempt.decision
-    assert decision is not None
-    sim = decision.solution.sim
-    return check_budget(
-        problem=decision.problem, kinds=decision.solution.choices, d2h_done=sim.d2h_done,
-        prefetch_issue=sim.prefetch_issue, storage_keys=[st.key for st in decision.storages],
-        fw=attempt.part.fw, final=attempt.part.saved, baseline_fw=base_fw, baseline=baseline,
-        options=options, budget=budget,
-    )  # fmt: skip
-
-
 def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if stride > 0 and not blocks.index_of:
         return ["no repeated blocks found: planned without segments"]
@@ -434,15 +440,3 @@ def _notes(blocks: BlockFacts, stride: int) -> list[str]:
     if blocks.index_of:
         return [blocks.describe()]
     return []
-
-
-def _log_plan(plan: Plan) -> None:
-    log.info("fxckpt %s", plan.summary())
-    for row in plan.activations:
-        log.debug("fxckpt[%s] %-24s %-28s %10d B  %s", plan.name, row.name, row.module or "-",
-                  row.bytes, row.decision.reason)
-    for note in plan.notes:
-        log.info("fxckpt[%s] %s", plan.name, note)
-    if plan.assumptions:
-        log.info("fxckpt[%s] assumed: %s", plan.name, describe_assumptions(plan.assumptions))
-    trace_plan_artifact(plan.name, json.dumps(plan.to_dict()))

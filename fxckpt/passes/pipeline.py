@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
+
+from fxckpt._torch_compat import trace_plan_artifact
+from fxckpt.planning.plan import Plan, describe_assumptions
 
 log = logging.getLogger("fxckpt.passes.partition")
 
@@ -82,3 +86,17 @@ def run(context: C, graph: str, stages: Sequence[Stage[C]]) -> C:
         with timed(graph, stage.name) if stage.report else contextlib.nullcontext():
             stage.run(context)
     return context
+
+
+def log_plan(plan: Plan) -> None:
+    """The plan, to the log (its summary and notes at INFO, each decision at DEBUG) and the
+    structured trace."""
+    log.info("fxckpt %s", plan.summary())
+    for row in plan.activations:
+        log.debug("fxckpt[%s] %-24s %-28s %10d B  %s", plan.name, row.name, row.module or "-",
+                  row.bytes, row.decision.reason)
+    for note in plan.notes:
+        log.info("fxckpt[%s] %s", plan.name, note)
+    if plan.assumptions:
+        log.info("fxckpt[%s] assumed: %s", plan.name, describe_assumptions(plan.assumptions))
+    trace_plan_artifact(plan.name, json.dumps(plan.to_dict()))

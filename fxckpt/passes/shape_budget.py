@@ -35,7 +35,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -57,6 +57,9 @@ from fxckpt.graph.sizes import (
 from fxckpt.options import Options
 from fxckpt.planning.memory import Problem, residency
 from fxckpt.planning.size_range import Shortfall, worst_in_range
+
+if TYPE_CHECKING:
+    from fxckpt.passes.rounds import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +276,19 @@ def sizes_note(joint: fx.GraphModule) -> str:
     values = {s: bounds.get(s, int(hints[s])) for s in symbols if s in hints or s in bounds}
     text = describe(env, values)
     return f"{text} (upper bound)" if bounds else text
+
+
+def check_attempt(
+    attempt: Attempt, *, base_fw: fx.GraphModule, baseline: list[SavedActivation],
+    options: Options, budget: int,
+) -> BudgetCheck:
+    """:func:`check_budget` of a planning round's result."""
+    decision = attempt.decision
+    assert decision is not None
+    sim = decision.solution.sim
+    return check_budget(
+        problem=decision.problem, kinds=decision.solution.choices, d2h_done=sim.d2h_done,
+        prefetch_issue=sim.prefetch_issue, storage_keys=[st.key for st in decision.storages],
+        fw=attempt.part.fw, final=attempt.part.saved, baseline_fw=base_fw, baseline=baseline,
+        options=options, budget=budget,
+    )  # fmt: skip

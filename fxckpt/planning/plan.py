@@ -8,6 +8,7 @@ plan.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -292,6 +293,12 @@ class Plan:
                f"{sum(w.decision == 'resident' for w in self.weights)} resident "
                f"({mib(self.resident_weight_bytes)})" if self.weights else "")
         )
+
+
+def plan_payload(plan: Plan) -> str:
+    """The JSON text a plan travels as (in the compiled forward's note, and to
+    :func:`fxckpt.last_plans`)."""
+    return json.dumps(plan.to_dict(), sort_keys=True)
 
 
 def describe_assumptions(assumed: dict[str, dict[str, Any]]) -> str:
