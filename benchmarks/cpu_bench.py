@@ -53,6 +53,7 @@ from benchmarks.methods import (
     GPT_QUICK,
     GPT_SMALL,
     GPT_SMOKE,
+    PEAK_SOURCES,
     Decoder,
     DecoderConfig,
     MethodSpec,
@@ -228,6 +229,10 @@ def run_suite(
             assert meter is not None and meter.result is not None
             budgets[BUDGET_SOURCES[spec.kind]] = meter.result.held_bytes
             row["held_after_first_forward_bytes"] = meter.result.held_bytes
+            # And the whole step's peak, for the rows whose peak_budget is this method's.
+            budgets[PEAK_SOURCES[spec.kind]] = meters.step(runner, idx, tgt).peak_bytes
+            for p in model.parameters():
+                p.grad = None
         rows[spec.name] = row
         runners.append(runner)
         log(f"  {spec.name:<22} first step {first_s:6.1f} s, saved (hook) "

@@ -44,6 +44,7 @@ from benchmarks import pareto
 from benchmarks.cpu_bench import machine_info, run_suite, warm_compilers
 from benchmarks.gpu_shaped_goals import (
     PLAN_AT_FULL,
+    PLAN_AT_SAVE_ON_CPU,
     PLAN_FITS,
     extras,
     goal_pairs,
@@ -51,6 +52,8 @@ from benchmarks.gpu_shaped_goals import (
 )
 from benchmarks.methods import (
     AT_FULL_CHECKPOINT,
+    PEAK_OF_FULL_CHECKPOINT,
+    PEAK_OF_SAVE_ON_CPU,
     Decoder,
     DecoderConfig,
     MethodSpec,
@@ -99,7 +102,11 @@ def method_specs(quick: bool) -> list[MethodSpec]:
         *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of min-cut's saved bytes)",
              memory_budget=b) for b in ((0.5, 0.3, 0.25, 0.2, 0.15) if quick
                                         else (0.5, 0.4, 0.3, 0.25, 0.2, 0.15))),
-        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's bytes after its forward",
+        fx(PLAN_AT_FULL, "peak_budget = full_checkpoint's measured step peak",
+           peak_budget=PEAK_OF_FULL_CHECKPOINT),
+        fx(PLAN_AT_SAVE_ON_CPU, "peak_budget = save_on_cpu's measured step peak",
+           peak_budget=PEAK_OF_SAVE_ON_CPU),
+        fx("fxckpt_saved_at_full_ckpt", "memory_budget = full_checkpoint's bytes after its forward",
            memory_budget=AT_FULL_CHECKPOINT),
         fx("fxckpt_half_full_ckpt", "memory_budget = half of full_checkpoint's bytes",
            memory_budget=scaled(AT_FULL_CHECKPOINT, 0.5)),

@@ -269,6 +269,11 @@ AT_FULL_CHECKPOINT = "at_full_checkpoint"
 AT_SAVE_ON_CPU = "at_save_on_cpu"
 BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU,
                   "save_on_cpu_link": AT_SAVE_ON_CPU}
+# peak_budget placeholders: the whole step's peak the named baseline measurably reached.
+PEAK_OF_FULL_CHECKPOINT = "full_checkpoint_step_peak"
+PEAK_OF_SAVE_ON_CPU = "save_on_cpu_step_peak"
+PEAK_SOURCES = {"full_checkpoint": PEAK_OF_FULL_CHECKPOINT, "save_on_cpu": PEAK_OF_SAVE_ON_CPU,
+                "save_on_cpu_link": PEAK_OF_SAVE_ON_CPU}
 
 
 def scaled(placeholder: str, factor: float) -> str:
@@ -411,7 +416,8 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
     """``compiler``: "eager" (aot_autograd, no code generation) or "inductor".
 
     ``budgets``: the bytes behind each memory_budget placeholder (``AT_FULL_CHECKPOINT``,
-    ``AT_SAVE_ON_CPU``, either :func:`scaled`); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
+    ``AT_SAVE_ON_CPU``, either :func:`scaled`) and each peak_budget placeholder
+    (``PEAK_OF_FULL_CHECKPOINT``, ``PEAK_OF_SAVE_ON_CPU``); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
     alone. Kinds ending in ``_link`` copy through the emulated host link
     (``fxckpt.emulate_link``) on the compute thread, as those methods copy on the compute
     stream: ``save_on_cpu_link`` and ``torch_offload_link`` (``benchmarks/link_peers.py``)."""
@@ -470,11 +476,12 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         known = dict(budgets or {})
         if budget_bytes is not None:
             known.setdefault(AT_FULL_CHECKPOINT, int(budget_bytes))
-        placeholder, _, factor = str(options.get("memory_budget", "")).partition("*")
-        if placeholder in BUDGET_SOURCES.values():
-            if placeholder not in known:
-                raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
-            options["memory_budget"] = int(known[placeholder] * float(factor or 1.0))
+        for key, sources in (("memory_budget", BUDGET_SOURCES), ("peak_budget", PEAK_SOURCES)):
+            placeholder, _, factor = str(options.get(key, "")).partition("*")
+            if placeholder in sources.values():
+                if placeholder not in known:
+                    raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
+                options[key] = int(known[placeholder] * float(factor or 1.0))
         options["compiler"] = compiler
         call = torch.compile(model, backend="fxckpt", options=options, dynamic=False)
         return Runner(spec, model, call, f"fxckpt/{compiler}", options)
