@@ -55,13 +55,13 @@ def _step(model: nn.Module, run: object, x: torch.Tensor) -> tuple[torch.Tensor,
     return loss.detach(), grads, x.grad
 
 
-def _assert_matches_eager(model: nn.Module, options: dict, *, frozen_only: bool = False, steps: int = 2
-                          ) -> fxckpt.StreamedWeights:
+def _assert_matches_eager(model: nn.Module, options: dict, *, frozen_only: bool = False, steps: int = 2,
+                          x_rows: int = 8) -> fxckpt.StreamedWeights:
     ref = copy.deepcopy(model)
     streamed = fxckpt.stream_weights(model, min_bytes=0, frozen_only=frozen_only)
     compiled = torch.compile(model, backend="fxckpt", options=options)
     for i in range(steps):
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(x_rows, 64, generator=torch.Generator().manual_seed(i))
         loss, grads, gx = _step(model, compiled, x)
         want_loss, want_grads, want_gx = _step(ref, ref, x)
         torch.testing.assert_close(loss, want_loss)

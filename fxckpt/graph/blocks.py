@@ -117,6 +117,14 @@ class BlockFacts:
     def blocks(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.index_of.values())))
 
+    def notes(self, stride: int) -> list[str]:
+        """What a plan says of the blocks (``stride``: the segment stride it was made with)."""
+        if stride > 0 and not self.index_of:
+            return ["no repeated blocks found: planned without segments"]
+        if self.source == "given":
+            return [f"the graph is block {self.blocks[0]} (block_index)"] if self.index_of else []
+        return [self.describe()] if self.index_of else []
+
     def describe(self) -> str:
         """The stacks found, for the plan's notes."""
         if not self.stacks:

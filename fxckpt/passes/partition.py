@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
 from fxckpt.passes.cutting import gc_frozen, min_cut
+from fxckpt.passes.device_fit import trade
 from fxckpt.passes.inductor_peak import tag_graphs
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
@@ -90,6 +92,7 @@ from fxckpt.planning.plan_round import Partition, infeasible, settle, timeline
 from fxckpt.planning.planner import build_plan
 from fxckpt.planning.problem import segment_recompute_ms, user_offload_requests
 from fxckpt.planning.size_range import fit_range
+from fxckpt.planning.weights import step_estimate
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +121,11 @@ class Context:
     streamed: int = 0  # stream_in nodes of the joint graph
     weight_lead: int | None = None  # device budget: a prefetch lead smaller than the default
     short_lead: bool = False  # planned again with it: the default left the activations too little
-    # peak_budget (passes.peak_fit): what the saved activations are held to for the step's peak
-    peak_cap: int | None = None
+    # peak_budget (passes.peak_fit), device_budget (passes.device_fit): what the saved
+    # activations are held to, and the plan's note that says why
+    act_cap: int | None = None
+    cap_note: str = ""
+    capped: bool = False  # the cap, not a budget of the user's, bounds the plan: its miss is judged there
     # blocks
     blocks: BlockFacts = dataclasses.field(default_factory=lambda: BlockFacts("none"))
     source: fx.GraphModule | None = None  # the joint graph that segments tag
@@ -176,29 +182,37 @@ def partition(
     if bounds:
         log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
 
-    def once(joint: fx.GraphModule, record: Callable[[Plan], str], cap: int | None = None) -> Context:
+    def once(joint: fx.GraphModule, record: Callable[[Plan], str], cap: int | None = None,
+             note: str = "") -> Context:
         args = (joint_inputs, options, graph_name, num_fwd_outputs, record, inductor, measured,
                 {**kwargs, "num_fwd_outputs": num_fwd_outputs}, bounds)
         # device_budget: where the default lead leaves the activations too little, one weight ahead.
         again = clone_joint(joint) if options.device_budget is not None else None
-        ctx = Context(joint, *args, peak_cap=cap)
+        ctx = Context(joint, *args, act_cap=cap, cap_note=note)
         try:
             run(ctx, graph_name, STAGES)
         except BudgetError as e:
             if again is None or e.option != "device_budget" or ctx.weight_lead is not None:
                 raise
-            ctx = Context(again, *args, short_lead=True, peak_cap=cap)  # min-cut consumed the joint
+            ctx = Context(again, *args, short_lead=True, act_cap=cap, cap_note=note)  # min-cut consumed the joint
             run(ctx, graph_name, STAGES)
         return ctx
 
+    # Planned more than once (each plan from a copy: min-cut consumes the joint), only the plan
+    # kept is recorded: its forward carries that payload already.
+    def trial(cap: int | None, note: str) -> Context:
+        return once(clone_joint(joint), plan_payload, cap, note)
+
+    plan_of = operator.attrgetter("plan")
     with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
-        if options.peak_budget is None:
+        if options.peak_budget is not None:
+            ctx = fit_peak(trial, plan_of, options, graph_name)
+        elif options.device_budget is not None:
+            ctx = trade(trial, plan_of, graph_name)
+        else:
             ctx = once(joint, record)
-        else:  # each plan from a copy (min-cut consumes the joint); only the kept one is recorded
-            ctx = fit_peak(lambda cap: once(clone_joint(joint), plan_payload, cap),
-                           lambda c: c.plan, options, graph_name)  # type: ignore[arg-type, return-value]
-            assert ctx.plan is not None
-            record(ctx.plan)  # the payload its forward carries already
+        if ctx.record is not record:
+            record(ctx.plan)
     assert ctx.fw is not None and ctx.bw is not None
     return ctx.fw, ctx.bw
 
@@ -223,6 +237,10 @@ def _weight_copies(ctx: Context) -> None:
     ctx.fw, ctx.bw, ctx.plan.weights, note = place_weights(
         ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room, ctx.weight_lead)
     ctx.plan.notes.append(note)
+    if (est := step_estimate(ctx.plan)) is not None:
+        ctx.plan.notes.append(f"weight copies: {est.forward_ms:.1f} ms on the host-to-device queue "
+                              f"in the forward, {est.backward_ms:.1f} ms in the backward; "
+                              f"estimated wait {est.exposed_ms:.1f} ms")
 
 
 def _blocks(ctx: Context) -> None:
@@ -247,8 +265,6 @@ def _budget(ctx: Context) -> None:
         assert ctx.base is not None
         inputs = saved_inputs(ctx.base[0], ctx.num_fwd_outputs, ctx.ticket.produced)
         ctx.budget = ctx.ticket.share(baseline_bytes, ctx.graph_name, inputs)
-    if ctx.peak_cap is not None:
-        ctx.budget = ctx.peak_cap if ctx.budget is None else min(ctx.budget, ctx.peak_cap)
 
 
 def _device_budget(ctx: Context) -> None:
@@ -283,6 +299,8 @@ def _plan(ctx: Context) -> None:
     """The planning rounds (each reports its own steps), then, over a range of sizes, the
     rounds again under tighter budgets until the plan holds at every size."""
     assert ctx.part is not None and ctx.source is not None and ctx.base is not None
+    if ctx.act_cap is not None and (ctx.budget is None or ctx.act_cap < ctx.budget):
+        ctx.budget, ctx.capped = ctx.act_cap, True
     options, budget, stride = ctx.options, ctx.budget, ctx.stride
     # Blocks are recomputed only where the user left segment_stride unset: a default is not a
     # constraint, a stride the user chose (0 included) is.
@@ -318,17 +336,16 @@ def _settle(ctx: Context) -> None:
     blocks = ctx.blocks
     segments = {b: seg for b in blocks.blocks if (seg := segment_of(b, stride, width)) is not None}
     segments.update(dict.fromkeys(rounds.layout.blocks, -1))
-    notes = _notes(blocks, stride) + rounds.notes()
-    if ctx.peak_cap is not None:
-        notes.append(f"peak_budget={options.peak_budget} bytes: the saved activations held to "
-                     f"{ctx.peak_cap} bytes for the step's peak to fit")
+    notes = blocks.notes(stride) + rounds.notes()
+    if ctx.cap_note:
+        notes.append(ctx.cap_note)
     if report.kept_random:
         notes.append(f"{report.kept_random} random ops inside segments stay saved")
     peak = plan_timeline = None
     solution_ms = 0.0
     if decision is not None:
         solution = settle(decision, part.saved, options, budget, ctx.graph_name, sizes=sizes,
-                          step=ticket is not None)  # fmt: skip
+                          step=ticket is not None or ctx.capped)  # fmt: skip
         peak, solution_ms = solution.sim.peak, solution.cost_ms
         if ticket is not None:
             kinds = zip(decision.storages, solution.choices, strict=True)
@@ -430,13 +447,3 @@ STAGES: tuple[Stage[Context], ...] = (
     Stage("pin positions", _pin_positions, when=_under_inductor),
     Stage("log", _log, report=False),
 )
-
-
-def _notes(blocks: BlockFacts, stride: int) -> list[str]:
-    if stride > 0 and not blocks.index_of:
-        return ["no repeated blocks found: planned without segments"]
-    if blocks.source == "given":
-        return [f"the graph is block {blocks.blocks[0]} (block_index)"] if blocks.index_of else []
-    if blocks.index_of:
-        return [blocks.describe()]
-    return []

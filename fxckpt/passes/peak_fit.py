@@ -29,9 +29,10 @@ T = TypeVar("T")
 MAX_PEAK_PLANS = 5
 
 
-def fit_peak(attempt: Callable[[int], T], plan_of: Callable[[T], Plan], options: Options,
+def fit_peak(attempt: Callable[[int, str], T], plan_of: Callable[[T], Plan], options: Options,
              graph_name: str) -> T:
-    """``attempt(cap)`` partitions with the saved activations held to ``cap`` bytes; returns,
+    """``attempt(cap, note)`` partitions with the saved activations held to ``cap`` bytes,
+    ``note`` going into its plan's notes; returns,
     of at most :data:`MAX_PEAK_PLANS` attempts, the one of least estimated added time whose
     predicted step peak is within ``options.peak_budget``.
 
@@ -42,24 +43,20 @@ def fit_peak(attempt: Callable[[int], T], plan_of: Callable[[T], Plan], options:
     ``peak_budget`` (``on_infeasible="warn"``: a warning)."""
     target = options.peak_budget
     assert isinstance(target, int)
-    cap, floor = target, False
+    cap = target
     over: int | None = None  # the smallest cap whose plan was over
     fits: list[tuple[int, T]] = []  # (cap, attempt) of the plans that fit
     tried: list[T] = []
     for k in range(MAX_PEAK_PLANS):
-        try:
-            got = attempt(cap)
-        except BudgetError as e:  # the saved activations cannot go under cap
-            if floor or e.option == "peak_budget":
-                raise
-            cap, floor = e.smallest_bytes, True  # the smallest plan, to know its step peak
-            continue
+        got = attempt(cap, f"peak_budget={target} bytes: the saved activations held to {cap} "
+                           "bytes for the step's peak to fit")
         tried.append(got)
         plan = plan_of(got)
         peak = plan.predicted_step_peak_bytes
         assert peak is not None
         log.info("fxckpt[%s] peak_budget=%d: plan %d, saved activations held to %d bytes, "
                  "step peak %d bytes", graph_name, target, k + 1, cap, peak)
+        floor = plan.resident_peak_bytes > cap  # the planner's smallest plan: none goes lower
         if peak <= target:
             fits.append((cap, got))
             if cap >= target or over is None:

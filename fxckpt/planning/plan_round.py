@@ -273,8 +273,9 @@ def settle(
 ) -> Solution:
     """What follows the last round: an unmet budget raises (or warns), naming
     ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
-    and one warning says what the host budget moved. ``step``: the budget is the graph's
-    share of a step's, and the step (:mod:`fxckpt.planning.step_budget`) judges a miss."""
+    and one warning says what the host budget moved. ``step``: a miss is judged elsewhere:
+    the budget is the graph's share of a step's (:mod:`fxckpt.planning.step_budget`), or a
+    cap that :mod:`fxckpt.passes.peak_fit` or :mod:`fxckpt.passes.device_fit` set."""
     solution = decision.solution
     if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,
@@ -323,8 +324,10 @@ def timeline(problem: Problem, resident: list[int], budget: int | None, points: 
     return {
         "forward_end": F // step_,
         "positions": T,
-        # The cost model's compute for the step (before what the plan adds: est_overhead_ms).
+        # The cost model's compute for the step (before what the plan adds: est_overhead_ms),
+        # and the forward's part of it.
         "compute_ms": float(sum(problem.timeline.step_ms)),
+        "forward_compute_ms": float(sum(problem.timeline.step_ms[:F])),
         "stride": step_,
         "baseline": pool(keep_all),
         "plan": pool(resident),
