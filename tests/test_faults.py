@@ -87,7 +87,11 @@ def test_host_allocation_failure_keeps_tensors_on_the_device_warns_once_and_stay
     model = GPT(n_layers=2)
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend=fxckpt.backend(**ALL))
-    pool.get_pool("cpu").trim()  # no idle buffers: every acquire must allocate
+    # No idle buffers: every acquire must allocate. Collected first: a handle an earlier test
+    # of this worker left to the collector returns its buffer when collected, and a buffer
+    # returned after the trim would serve an acquire without an allocation.
+    gc.collect()
+    pool.get_pool("cpu").trim()
     failing = _FailingTorch(allowed)
     monkeypatch.setattr(pool, "torch", failing)
     handles, in_use = _books()
