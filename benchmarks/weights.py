@@ -58,6 +58,7 @@ import torch
 import torch.nn as nn
 
 import fxckpt
+from benchmarks.heap import keep_freed_blocks
 from benchmarks.weight_models import BUILDERS, Workload, build, plain
 
 TARGET_COPY_TO_COMPUTE = (1 / 4096) / (25e9 / 165e12)
@@ -261,8 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny models, 1 step (tests)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; the default 1 "
                     "leaves the other core to the copy engine, as a GPU's compute leaves the host's")
+    ap.add_argument("--os-heap", action="store_true", help="leave the C library's default: "
+                    "large freed tensors go back to the OS (benchmarks/heap.py)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.os_heap:
+        keep_freed_blocks()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in BUILDERS]
     if unknown or not names:

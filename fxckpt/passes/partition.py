@@ -62,7 +62,6 @@ from fxckpt.graph.liveness import step_peak_bytes
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
 from fxckpt.passes.cutting import gc_frozen, min_cut
-from fxckpt.passes.device_fit import trade
 from fxckpt.passes.inductor_peak import tag_graphs
 from fxckpt.passes.note import insert_note, resident_names
 from fxckpt.passes.offload import insert_offloads
@@ -121,8 +120,8 @@ class Context:
     streamed: int = 0  # stream_in nodes of the joint graph
     weight_lead: int | None = None  # device budget: a prefetch lead smaller than the default
     short_lead: bool = False  # planned again with it: the default left the activations too little
-    # peak_budget (passes.peak_fit), device_budget (passes.device_fit): what the saved
-    # activations are held to, and the plan's note that says why
+    # peak_budget (passes.peak_fit): what the saved activations are held to, and the plan's
+    # note that says why
     act_cap: int | None = None
     cap_note: str = ""
     capped: bool = False  # the cap, not a budget of the user's, bounds the plan: its miss is judged there
@@ -207,8 +206,6 @@ def partition(
     with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
         if options.peak_budget is not None:
             ctx = fit_peak(trial, plan_of, options, graph_name)
-        elif options.device_budget is not None:
-            ctx = trade(trial, plan_of, graph_name)
         else:
             ctx = once(joint, record)
         if ctx.record is not record:

@@ -275,7 +275,7 @@ def settle(
     ``host_budget`` where the host tiers kept offloads that the device budget needed gone,
     and one warning says what the host budget moved. ``step``: a miss is judged elsewhere:
     the budget is the graph's share of a step's (:mod:`fxckpt.planning.step_budget`), or a
-    cap that :mod:`fxckpt.passes.peak_fit` or :mod:`fxckpt.passes.device_fit` set."""
+    cap that :mod:`fxckpt.passes.peak_fit` set."""
     solution = decision.solution
     if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,

@@ -4,9 +4,8 @@ A plan under ``device_budget`` keeps some weights' device copies across steps an
 rest to the device at each use, forward and backward, on the host-to-device queue the
 activations' reloads use too. :func:`exposed_copy_ms` estimates the time compute waits for
 those copies: per pass, what the queue needs beyond the compute it runs behind, plus the
-pass's first copy, which has no compute before it to hide behind. It is what a weight kept
-resident saves, and :func:`fxckpt.passes.device_fit.trade` weighs it against what holding
-the saved activations lower costs (``Plan.est_overhead_ms``).
+pass's first copy, which has no compute before it to hide behind: what a weight kept
+resident saves. Each plan's notes give it (``weight copies: ...``).
 """
 
 from __future__ import annotations
