@@ -99,30 +99,27 @@ def _parse_budget(value: Any) -> int | float | str | None:
     return budget
 
 
-def _parse_device_budget(value: Any) -> int | None:
-    accepted = 'None, a positive int number of bytes, or a string such as "6GiB"'
+def _parse_bytes_only(option: str, value: Any, example: str, why: str) -> int | None:
+    """A budget in bytes only (``device_budget``, ``peak_budget``): ``why`` says why no fraction."""
+    accepted = f'None, a positive int number of bytes, or a string such as "{example}"'
     if value is None:
         return None
     if isinstance(value, float) or value == "auto":
-        raise OptionsError("device_budget", value, accepted,
-                           "the device budget is bytes; a fraction has no one baseline to be of")  # fmt: skip
-    budget = parse_bytes(value, "device_budget")
+        raise OptionsError(option, value, accepted, why)
+    budget = parse_bytes(value, option)
     if not budget:
-        raise OptionsError("device_budget", value, accepted, "a zero budget; use None for no limit")
+        raise OptionsError(option, value, accepted, "a zero budget; use None for no limit")
     return budget
+
+
+def _parse_device_budget(value: Any) -> int | None:
+    return _parse_bytes_only("device_budget", value, "6GiB",
+                             "the device budget is bytes; a fraction has no one baseline to be of")
 
 
 def _parse_peak_budget(value: Any) -> int | None:
-    accepted = 'None, a positive int number of bytes, or a string such as "12GiB"'
-    if value is None:
-        return None
-    if isinstance(value, float) or value == "auto":
-        raise OptionsError("peak_budget", value, accepted,
-                           "the peak budget is bytes: what fxckpt.measure reads as the step's peak")  # fmt: skip
-    budget = parse_bytes(value, "peak_budget")
-    if not budget:
-        raise OptionsError("peak_budget", value, accepted, "a zero budget; use None for no limit")
-    return budget
+    return _parse_bytes_only("peak_budget", value, "12GiB",
+                             "the peak budget is bytes: what fxckpt.measure reads as the step's peak")
 
 
 def _parse_host_budget(value: Any) -> int | float | str | None:
