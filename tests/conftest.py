@@ -29,12 +29,36 @@ def _fresh_dynamo():
 
 
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _shard(config, items):
+    """FXCKPT_CI_SHARD="K/N" keeps, of the tests not marked slow, those of every Nth test file
+    (the files in path order, from the Kth, counting from 0); slow tests all stay. CI runs the
+    fast tier whole on one torch and split between the others (.ci/run)."""
+    spec = os.environ.get("FXCKPT_CI_SHARD")
+    if not spec:
+        return
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        if not 0 <= k < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(
+            f"FXCKPT_CI_SHARD={spec!r}: write K/N with 0 <= K < N, e.g. FXCKPT_CI_SHARD=0/2"
+        ) from None
+    files = sorted({item.path for item in items if "slow" not in item.keywords})
+    mine = set(files[k::n])
+    kept = [item for item in items if "slow" in item.keywords or item.path in mine]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
 
 # FXCKPT_PLAN_DUMP=DIR appends every plan the suite makes to DIR/<worker>.jsonl, one JSON line
