@@ -578,3 +578,18 @@ def test_the_weights_benchmark_trains_diffusers_and_transformers_models_like_res
         assert ("eager swap" in methods) == (name != "flux-full"), name
         assert all(r["grads_equal"] for r in doc["rows"]), name
         assert all(r["graphs"] == 1 for r in doc["rows"] if "graphs" in r), name
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_copy_overhead_times_the_round_trip_it_names(weights: bool) -> None:
+    import fxckpt
+    from benchmarks.copy_overhead import round_trip_ms
+
+    fxckpt.reset_stats()
+    times = round_trip_ms("cpu", 4, rounds=2, per_round=3, weights=weights)
+    assert len(times) == 2 and all(math.isfinite(t) and t > 0 for t in times)
+    # 50 warm-up trips and 2 x 3 timed ones, 4 KiB each: a streamed weight's copies, or an
+    # offload's, and not the other.
+    moved = 56 * 4 * 2**10
+    stats = fxckpt.stats()
+    assert (stats["weight_h2d_bytes"], stats["offloaded_bytes"]) == ((moved, 0) if weights else (0, moved))

@@ -32,6 +32,13 @@ def test_the_estimate_charges_what_each_pass_cannot_hide_and_each_passs_first_co
     assert est.exposed_ms == pytest.approx(2 * 1.5)
     assert exposed_copy_ms([_w("c", 5000, "resident")], bandwidth=1e6, overhead_ms=0.0,
                            forward_compute_ms=0.0, backward_compute_ms=0.0).exposed_ms == 0.0
+    # The copies' op calls take the compute thread's time, one charge per copy: a, forward and
+    # backward, and b, backward only; nothing for the resident c. The wait does not change.
+    weights = [_w("a", 1000), _w("b", 3000, fw=0), _w("c", 5000, "resident")]
+    est = exposed_copy_ms(weights, bandwidth=1e6, overhead_ms=0.0, forward_compute_ms=100.0,
+                          backward_compute_ms=100.0, host_overhead_ms=0.25)
+    assert (est.copies, est.host_ms) == (3, pytest.approx(0.75))
+    assert est.exposed_ms == pytest.approx(2 * 1.0)
 
 
 def _plan_under(budget: int) -> fxckpt.Plan:
@@ -52,9 +59,14 @@ def test_a_plan_with_streamed_weights_says_what_their_copies_are_estimated_to_co
     assert all(w.decision == "stream" for w in streamed.weights if w.bytes == weight)
     for plan in (kept, streamed):
         note = next(n for n in plan.notes if n.startswith("weight copies:"))
-        assert "estimated wait" in note
+        assert "estimated wait" in note and "op calls on the compute thread" in note
     # Kept on the device, nothing is copied after the first step; streamed, each pass waits at
     # least for its first copy (8 ms each).
     held, est = step_estimate(kept), step_estimate(streamed)
     assert held is not None and held.exposed_ms == 0.0
     assert est is not None and est.exposed_ms > 2 * 8.0
+    # Each streamed use is a copy whose op calls cost the plan's copy_overhead_ms.
+    uses = sum(w.forward_uses + w.backward_uses for w in streamed.weights if w.decision == "stream")
+    per_copy = streamed.assumptions["copy_overhead_ms"]["value"]
+    assert per_copy > 0 and est.copies == uses > 0
+    assert est.host_ms == pytest.approx(uses * per_copy) and held.host_ms == 0.0

@@ -237,7 +237,8 @@ def _weight_copies(ctx: Context) -> None:
     if (est := step_estimate(ctx.plan)) is not None:
         ctx.plan.notes.append(f"weight copies: {est.forward_ms:.1f} ms on the host-to-device queue "
                               f"in the forward, {est.backward_ms:.1f} ms in the backward; "
-                              f"estimated wait {est.exposed_ms:.1f} ms")
+                              f"estimated wait {est.exposed_ms:.1f} ms, and {est.host_ms:.1f} ms "
+                              f"of the {est.copies} copies' op calls on the compute thread")
 
 
 def _blocks(ctx: Context) -> None:

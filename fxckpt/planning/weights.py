@@ -5,7 +5,9 @@ rest to the device at each use, forward and backward, on the host-to-device queu
 activations' reloads use too. :func:`exposed_copy_ms` estimates the time compute waits for
 those copies: per pass, what the queue needs beyond the compute it runs behind, plus the
 pass's first copy, which has no compute before it to hide behind: what a weight kept
-resident saves. Each plan's notes give it (``weight copies: ...``).
+resident saves. Beside that wait, each copy's op calls take the compute thread's time
+(``copy_overhead_ms`` per copy), which no compute hides. Each plan's notes give both
+(``weight copies: ...``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ class CopyEstimate:
     forward_ms: float  # the queue's time for the forward's copies
     backward_ms: float  # the backward's: the weights again, and the activations' reloads
     exposed_ms: float  # what compute is estimated to wait for them
+    host_ms: float = 0.0  # the copies' op calls on the compute thread
+    copies: int = 0  # copies per step
 
 
 def exposed_copy_ms(weights: Sequence[PlannedWeight], *, bandwidth: float, overhead_ms: float,
                     forward_compute_ms: float, backward_compute_ms: float,
-                    restored_bytes: int = 0) -> CopyEstimate:
+                    restored_bytes: int = 0, host_overhead_ms: float = 0.0) -> CopyEstimate:
     """Estimated wait for the streamed weights' copies of a step (``bandwidth`` in bytes/s,
-    ``overhead_ms`` per copy); ``restored_bytes``: the activations' reloads in the backward."""
+    ``overhead_ms`` per copy on the link); ``restored_bytes``: the activations' reloads in the
+    backward; ``host_overhead_ms``: each copy's op calls on the compute thread."""
     streamed = [w for w in weights if w.decision == "stream"]
     if not streamed or bandwidth <= 0:
         return CopyEstimate(0.0, 0.0, 0.0)
@@ -44,7 +49,8 @@ def exposed_copy_ms(weights: Sequence[PlannedWeight], *, bandwidth: float, overh
     first = [w for w in streamed if w.forward_uses], [w for w in streamed if w.backward_uses]
     lead = sum(queue_ms(ws[0].bytes, 1) for ws in first if ws)  # each pass's first copy
     exposed = max(0.0, fw - forward_compute_ms) + max(0.0, bw - backward_compute_ms) + lead
-    return CopyEstimate(fw, bw, exposed)
+    copies = sum(w.forward_uses + w.backward_uses for w in streamed)
+    return CopyEstimate(fw, bw, exposed, copies * host_overhead_ms, copies)
 
 
 def step_estimate(plan: Plan) -> CopyEstimate | None:
@@ -55,9 +61,10 @@ def step_estimate(plan: Plan) -> CopyEstimate | None:
     assumed = plan.assumptions
     bandwidth = float(assumed.get("bandwidth_bytes_per_s", {}).get("value") or 0.0)
     overhead = float(assumed.get("link_overhead_ms", {}).get("value") or 0.0)
+    host = float(assumed.get("copy_overhead_ms", {}).get("value") or 0.0)
     forward = float(plan.timeline["forward_compute_ms"])
     backward = float(plan.timeline["compute_ms"]) - forward + plan.est_overhead_ms
     restored = plan.offloaded_bytes
     return exposed_copy_ms(plan.weights, bandwidth=bandwidth, overhead_ms=overhead,
                            forward_compute_ms=forward, backward_compute_ms=backward,
-                           restored_bytes=restored)
+                           restored_bytes=restored, host_overhead_ms=host)
