@@ -1,7 +1,8 @@
 """Streamed weights beside all-resident weights and an eager block swap, through one emulated link.
 
     python -m benchmarks.weights [--models stack,flux-lora,flux-full,llama-lora] [--json PATH]
-                                 [--steps 5] [--threads 1] [--smoke]
+                                 [--steps 5] [--threads 1] [--smoke] [--plot DIR]
+    python -m benchmarks.weights --from PATH --plot DIR   (redraw a run's plots)
 
 Each model of :mod:`benchmarks.weight_models` trains a few steps under
 ``torch.compile(backend="fxckpt", options={"compiler": "eager", ...})`` several ways, all
@@ -39,6 +40,9 @@ beyond the fully streamed run's), the exposed copy time per step (fxckpt: how lo
 waited for copies; the swap: every copy, made on the compute side) and gradient equality with
 the resident run. None of it reads a plan; the plan's kept bytes are reported beside.
 
+``--plot DIR`` draws, per model, ``DIR/weights_<model>.svg``: each method's measured absolute
+device peak against its step time over all-resident's, the Pareto front dashed.
+
 The link floor of a streamed row: the bytes its plan copies to the device per step over the
 link's bandwidth, against the resident step. No step is shorter than the time its copies keep
 the host-to-device queue busy, so a row cannot run below that ratio of the resident step.
@@ -52,12 +56,14 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 import fxckpt
+from benchmarks import pareto
 from benchmarks.heap import keep_freed_blocks
 from benchmarks.weight_models import BUILDERS, Workload, build, plain
 
@@ -251,6 +257,21 @@ def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, A
     return out
 
 
+def plot(report: dict[str, Any], directory: Path) -> list[Path]:
+    """One SVG per model of ``report`` (what ``--json`` writes) under ``directory``."""
+    paths = []
+    for name, doc in report["models"].items():
+        resident = next(r for r in doc["rows"] if r["method"] == "resident")["step_ms"]
+        rows = [{"method": r["method"], "x": r["step_ms"] / resident,
+                 "y": r["absolute_peak_bytes"] / 2**20} for r in doc["rows"]]  # fmt: skip
+        path = directory / f"weights_{name}.svg"
+        pareto.write(path, rows, f"{name}: absolute device peak against step time, through an "
+                     f"emulated {doc['link_MBps']:.0f} MB/s link", "step time / all-resident's",
+                     "absolute device peak over a step, MiB (meter)")  # fmt: skip
+        paths.append(path)
+    return paths
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(BUILDERS),
@@ -264,7 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "leaves the other core to the copy engine, as a GPU's compute leaves the host's")
     ap.add_argument("--os-heap", action="store_true", help="leave the C library's default: "
                     "large freed tensors go back to the OS (benchmarks/heap.py)")
+    ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                    help="draw DIR/weights_<model>.svg per model: peak against step time")
+    ap.add_argument("--from", dest="source", type=Path, default=None, metavar="PATH",
+                    help="run nothing: draw --plot from a report --json wrote")
     args = ap.parse_args(argv)
+    if args.source is not None:
+        if args.plot is None:
+            ap.error("--from draws plots only: give --plot DIR too")
+        for path in plot(json.loads(args.source.read_text()), args.plot):
+            print(f"wrote {path}")
+        return 0
     torch.set_num_threads(args.threads)
     if not args.os_heap:
         keep_freed_blocks()
@@ -277,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.plot is not None:
+        for path in plot(report, args.plot):
+            print(f"wrote {path}")
     return 0
 
 

@@ -593,3 +593,20 @@ def test_copy_overhead_times_the_round_trip_it_names(weights: bool) -> None:
     moved = 56 * 4 * 2**10
     stats = fxckpt.stats()
     assert (stats["weight_h2d_bytes"], stats["offloaded_bytes"]) == ((moved, 0) if weights else (0, moved))
+
+
+def test_the_weights_benchmark_redraws_its_plots_from_a_report(tmp_path, capsys):
+    rows = [{"method": m, "step_ms": ms, "absolute_peak_bytes": mib * 2**20}
+            for m, ms, mib in (("resident", 100.0, 50.0), ("fxckpt stream", 150.0, 20.0),
+                               ("eager swap", 300.0, 10.0))]  # fmt: skip
+    report = tmp_path / "weights.json"
+    report.write_text(json.dumps({"models": {"tiny": {"link_MBps": 12.5, "rows": rows}}}))
+    assert _main("weights", "--from", str(report), "--plot", str(tmp_path / "plots")) == 0
+    page = (tmp_path / "plots" / "weights_tiny.svg").read_text()
+    # Each method at its step time over the resident one's and its peak in MiB.
+    for key in ("1: resident (1.00x, 50.0)", "2: fxckpt stream (1.50x, 20.0)", "3: eager swap (3.00x, 10.0)"):
+        assert key in page
+    assert "weights_tiny.svg" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --from draws only: without --plot there is nothing to do
+        _main("weights", "--from", str(report))
+    assert "give --plot DIR too" in capsys.readouterr().err
