@@ -9,7 +9,9 @@ against, so it must not share their mistakes.
   reports, and only those (no op events), for the calling thread, and pairs frees with
   allocations by address. On the CPU, fxckpt's host memory (the pool's buffers and the
   offload handles) lives in the same memory as the "device"; on a GPU it would be host
-  memory, so the meter leaves it out, by address.
+  memory, so the meter leaves it out, by the addresses the runtime holds when the call ends.
+  Host memory allocated on the calling thread and freed within the call is not among them and
+  counts (a known limit: docs/options.md, ``fxckpt.measure``).
 - **CUDA.** ``torch.cuda.memory_allocated`` before and after the call, and
   ``max_memory_allocated`` over it, with the peak reset at the start. Host memory, pinned or
   not, is not in those figures.
