@@ -9,9 +9,9 @@ against, so it must not share their mistakes.
   reports, and only those (no op events), for the calling thread, and pairs frees with
   allocations by address. On the CPU, fxckpt's host memory (the pool's buffers and the
   offload handles) lives in the same memory as the "device"; on a GPU it would be host
-  memory, so the meter leaves it out, by the addresses the runtime holds when the call ends.
-  Host memory allocated on the calling thread and freed within the call is not among them and
-  counts (a known limit: docs/options.md, ``fxckpt.measure``).
+  memory, so the meter leaves it out: what the runtime holds when the call ends, by address,
+  and what it allocated and freed inside the call, by the marks it took at each allocation
+  (``fxckpt.runtime.host_marks``: address and time).
 - **CUDA.** ``torch.cuda.memory_allocated`` before and after the call, and
   ``max_memory_allocated`` over it, with the peak reset at the start. Host memory, pinned or
   not, is not in those figures.
@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
 from fxckpt.errors import FxckptError
+from fxckpt.runtime import host_marks
 
 CPU_SOURCE = "torch CPU allocator events (profiler memory reports, calling thread)"
 CUDA_SOURCE = "torch.cuda.memory_allocated / max_memory_allocated"
@@ -93,21 +94,25 @@ class Measurement:
 
 
 def net_allocations(
-    events: Iterable[tuple[int, int, int, str]], device_type: str, exclude: set[int] = frozenset()  # type: ignore[assignment]
+    events: Iterable[tuple[int, int, int, str]], device_type: str, exclude: set[int] = frozenset(),  # type: ignore[assignment]
+    marks: Iterable[tuple[int, int]] = (),
 ) -> tuple[dict[int, int], int]:
     """From allocator events in time order, the blocks still live (address -> bytes) and the
     peak of the live total. Frees of blocks allocated before the events began are skipped;
     addresses in ``exclude`` (host buffers live at the end) leave out the block allocated
     there last, and from then on that address: the allocator may have given the same address
-    to a device tensor freed earlier in the events, which counts."""
+    to a device tensor freed earlier in the events, which counts. ``marks`` (``(time_ns,
+    address)``, :mod:`fxckpt.runtime.host_marks`) leave out the block live at that address at
+    that time: host memory allocated, and perhaps freed again, inside the events."""
     events = [e for e in events if e[3] == device_type]
     # The event that allocated each excluded address's host block: its last allocation.
     host_from = {ptr: i for i, (_, ptr, nbytes, _) in enumerate(events)
                  if ptr in exclude and nbytes > 0}
+    skip = _marked(events, marks)
     live: dict[int, int] = {}
     now = peak = 0
     for i, (_, ptr, nbytes, _) in enumerate(events):
-        if ptr in exclude and i >= host_from.get(ptr, 0):
+        if i in skip or (ptr in exclude and i >= host_from.get(ptr, 0)):
             continue
         if nbytes > 0:
             # An address seen allocated twice without a free: the free came from a thread the
@@ -118,6 +123,41 @@ def net_allocations(
             now -= live.pop(ptr, 0)
         peak = max(peak, now)
     return live, peak
+
+
+# A mark is taken just after its allocation; the two clocks agree to well under this.
+_MARK_SLACK_NS = 50_000
+
+
+def _marked(events: list[tuple[int, int, int, str]], marks: Iterable[tuple[int, int]]) -> set[int]:
+    """Indices of the allocation and free events of each marked block: the block at the mark's
+    address whose life (allocation to free, or to the end) holds the mark's time, else the
+    first allocated there within the slack after it."""
+    marks = list(marks)
+    if not marks:
+        return set()
+    wanted = {ptr for _, ptr in marks}
+    lives: dict[int, list[tuple[int, float, int, int]]] = {}  # ptr -> (start, end, i, j)
+    open_at: dict[int, int] = {}
+    for i, (t, ptr, nbytes, _) in enumerate(events):
+        if ptr not in wanted:
+            continue
+        if nbytes > 0:
+            open_at[ptr] = i
+        elif ptr in open_at:
+            k = open_at.pop(ptr)
+            lives.setdefault(ptr, []).append((events[k][0], t, k, i))
+    for ptr, k in open_at.items():
+        lives.setdefault(ptr, []).append((events[k][0], float("inf"), k, -1))
+    skip: set[int] = set()
+    for t, ptr in marks:
+        spans = lives.get(ptr, [])
+        hit = next((s for s in spans if s[0] <= t <= s[1]), None)
+        if hit is None:
+            hit = min((s for s in spans if t < s[0] <= t + _MARK_SLACK_NS), default=None)
+        if hit is not None:
+            skip |= {hit[2], hit[3]} - {-1}
+    return skip
 
 
 class CudaCounters:
@@ -207,6 +247,7 @@ class Meter:
         self._cuda = cuda if cuda is not None else (CudaCounters() if dev.type == "cuda" else None)
         self._output: Any = None
         self._start = 0
+        self._marks_from = 0
         self._holding = holding
         self.result: Measurement | None = None
 
@@ -227,6 +268,7 @@ class Meter:
                 )
             self._start = held_on_device(self._holding, self.device)
             compat.start_memory_events()
+            self._marks_from = host_marks.start()
         return self
 
     def __exit__(
@@ -241,9 +283,10 @@ class Meter:
             source = CUDA_SOURCE
         else:
             events = compat.stop_memory_events()
+            marks = host_marks.stop(self._marks_from)
             if kind is not None:
                 return
-            live, peak = net_allocations(events, "cpu", _host_ptrs())
+            live, peak = net_allocations(events, "cpu", _host_ptrs(), marks)
             resident = sum(live.values())
             out = _output_bytes(self._output, self.device, live)
             source = CPU_SOURCE

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import disk
+from fxckpt.runtime import disk, host_marks
 from fxckpt.runtime.engine import Transfer
 
 RECORDS: dict[int, Transfer] = {}
@@ -51,6 +51,7 @@ def register(rec: Transfer) -> torch.Tensor:
     """The handle naming ``rec``; ``rec`` lives until the handle tensor is freed."""
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
+    host_marks.note(handle.data_ptr())
     RECORDS[rec.hid] = rec
     _handle_ptrs[rec.hid] = handle.data_ptr()
     weakref.finalize(handle, _release, rec.hid).atexit = False

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import bucket_ops, disk, profiles, stats
+from fxckpt.runtime import bucket_ops, disk, host_marks, profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
 from fxckpt.runtime.handles import (
     RECORDS as _records,  # noqa: F401  (tests read records by handle id)
@@ -137,7 +137,9 @@ def prefetch(handle: torch.Tensor, after: Sequence[torch.Tensor] | None = None) 
     """
     rec = lookup(handle)
     start_prefetch(rec)
-    return torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
+    ticket = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
+    host_marks.note(ticket.data_ptr())
+    return ticket
 
 
 @prefetch.register_fake

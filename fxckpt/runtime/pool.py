@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxckpt.runtime import stats
+from fxckpt.runtime import host_marks, stats
 from fxckpt.runtime.slabs import Slabs, unlock_all, whole_pages
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ class HostPool:
             raise PoolExhausted(f"allocating {cls} bytes of {kind} memory failed: {err}") from err
         self._held[0] += cls
         self.ptrs.add(buf.data_ptr())
+        host_marks.note(buf.data_ptr())
         stats.add("host_allocations", 1)
         stats.pool_resized(cls)
         return buf

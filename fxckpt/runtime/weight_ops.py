@@ -41,7 +41,7 @@ import torch
 
 from fxckpt import _cuda, _link
 from fxckpt.errors import RuntimeCopyError
-from fxckpt.runtime import copy_meter, pool, profiles, stats
+from fxckpt.runtime import copy_meter, host_marks, pool, profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
 from fxckpt.runtime.engine import _config as engine_config
 from fxckpt.runtime.handles import lookup, next_id, register, span_of
@@ -73,6 +73,7 @@ def adopt_host(t: torch.Tensor) -> torch.Tensor:
     parameter made over it, is what is watched)."""
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
+    host_marks.note(ptr)
     with _HOST_LOCK:
         _HOST[ptr] = storage.nbytes()
     weakref.finalize(t, _forget, ptr).atexit = False
