@@ -149,6 +149,24 @@ def restores(bw: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], dict[torch.f
 # Outputs that take no new device memory: a weight's copy kept across steps, and a gradient's
 # host tensor (fxckpt host memory, as the meter counts it).
 _NOT_ON_DEVICE = ("fxckpt.resident_weight.default", "fxckpt.grad_host.default")
+# The arguments of fxckpt's ops that name a transfer: 0-d int64 CPU tensors, host memory.
+_HANDLE_ARGS = ("handle", "ticket")
+
+
+def host_handles(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes of ``gm`` that are fxckpt's handles and tickets (made in ``gm`` or taken as
+    inputs): what an fxckpt op takes as its ``handle`` or ``ticket`` argument."""
+    found: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not schema.name.startswith("fxckpt::"):
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.name in _HANDLE_ARGS:
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                if hasattr(value, "op"):
+                    found.add(value)
+    return found
 
 
 def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
@@ -159,8 +177,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
     batch; the backward takes the parameters it needs as inputs too; the streamed weights'
     device copies the plan keeps across steps, ``fxckpt::resident_weight``), and host memory
-    (the offload handles are 0-d CPU tensors; a streamed weight's gradient from
-    ``fxckpt::grad_host`` on). Counted in the backward: every other input (the
+    (the offload handles and prefetch tickets are 0-d CPU tensors, :func:`host_handles`; a
+    streamed weight's gradient from ``fxckpt::grad_host`` on). Counted in the backward: every other input (the
     saved tensors, freed at their last use; the tangents), what it computes and recomputes,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
     Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
@@ -169,8 +187,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     Inductor's own figure where it has one (:mod:`fxckpt.passes.inductor_peak`).
     """
     inputs = input_storages(fw)
-    transient = {*transient, *(n for gm in (fw, bw) for n in gm.graph.nodes
-                               if str(n.target) in _NOT_ON_DEVICE)}  # fmt: skip
+    transient = {*transient, *host_handles(fw), *host_handles(bw),
+                 *(n for gm in (fw, bw) for n in gm.graph.nodes if str(n.target) in _NOT_ON_DEVICE)}  # fmt: skip
     fw_live = live_bytes_timeline(fw, counted=lambda n: n not in transient, skip_storages=inputs)
     pos = {n: k for k, n in enumerate(bw.graph.nodes)}
     waits, at = restores(bw)
