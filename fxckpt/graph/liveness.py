@@ -178,8 +178,8 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     batch; the backward takes the parameters it needs as inputs too; the streamed weights'
     device copies the plan keeps across steps, ``fxckpt::resident_weight``), and host memory
     (the offload handles and prefetch tickets are 0-d CPU tensors, :func:`host_handles`; a
-    streamed weight's gradient from ``fxckpt::grad_host`` on). Counted in the backward: every other input (the
-    saved tensors, freed at their last use; the tangents), what it computes and recomputes,
+    streamed weight's gradient from ``fxckpt::grad_host`` on). Counted in the backward: every
+    other input (the saved tensors, freed at their last use; the tangents), what it computes and recomputes,
     and each restored tensor from its prefetch on, where the engine allocates its buffer.
     Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
     ``transient``: nodes of either graph whose values never reach memory (what Inductor

@@ -36,8 +36,9 @@ def exposed_copy_ms(weights: Sequence[PlannedWeight], *, bandwidth: float, overh
     ``overhead_ms`` per copy on the link); ``restored_bytes``: the activations' reloads in the
     backward; ``host_overhead_ms``: each copy's op calls on the compute thread."""
     streamed = [w for w in weights if w.decision == "stream"]
+    copies = sum(w.forward_uses + w.backward_uses for w in streamed)
     if not streamed or bandwidth <= 0:
-        return CopyEstimate(0.0, 0.0, 0.0)
+        return CopyEstimate(0.0, 0.0, 0.0, copies * host_overhead_ms, copies)
 
     def queue_ms(nbytes: int, copies: int) -> float:
         return 1e3 * nbytes / bandwidth + copies * overhead_ms
@@ -49,7 +50,6 @@ def exposed_copy_ms(weights: Sequence[PlannedWeight], *, bandwidth: float, overh
     first = [w for w in streamed if w.forward_uses], [w for w in streamed if w.backward_uses]
     lead = sum(queue_ms(ws[0].bytes, 1) for ws in first if ws)  # each pass's first copy
     exposed = max(0.0, fw - forward_compute_ms) + max(0.0, bw - backward_compute_ms) + lead
-    copies = sum(w.forward_uses + w.backward_uses for w in streamed)
     return CopyEstimate(fw, bw, exposed, copies * host_overhead_ms, copies)
 
 

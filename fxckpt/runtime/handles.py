@@ -51,9 +51,10 @@ def register(rec: Transfer) -> torch.Tensor:
     """The handle naming ``rec``; ``rec`` lives until the handle tensor is freed."""
     # An explicit CPU device: a handle must never follow torch.set_default_device.
     handle = torch.tensor(rec.hid, dtype=torch.int64, device="cpu")
-    host_marks.note(handle.data_ptr())
+    ptr = handle.data_ptr()
+    host_marks.note(ptr)
     RECORDS[rec.hid] = rec
-    _handle_ptrs[rec.hid] = handle.data_ptr()
+    _handle_ptrs[rec.hid] = ptr
     weakref.finalize(handle, _release, rec.hid).atexit = False
     return handle
 
