@@ -7,6 +7,8 @@ fake of CUDA's memory statistics.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from models import GPT, gpt_inputs
@@ -14,6 +16,13 @@ from models import GPT, gpt_inputs
 import fxckpt
 from fxckpt.meter import CudaCounters, Meter, net_allocations
 from fxckpt.runtime.pool import get_pool
+
+
+@pytest.fixture(autouse=True)
+def _collected() -> None:
+    # An earlier test's model in a reference cycle would keep its weights' device copies, which
+    # the absolute figures rightly count.
+    gc.collect()
 
 
 def _profiler_net_and_peak(fn) -> tuple[int, int]:
