@@ -281,6 +281,21 @@ def test_a_byte_budget_is_split_as_graphs_come_and_raises_at_once() -> None:
     assert step.replans == 1
 
 
+def test_the_error_lists_the_graphs_that_hold_bytes_and_counts_the_rest() -> None:
+    # A graph with no backward never plans (no partition): it has no name and holds nothing.
+    # It is counted, not listed as a nameless graph holding 0 (as a loop that dynamo skips
+    # around gradient checkpointing left them).
+    step = sb.StepBudget(Options(memory_budget=1000))
+    a, b = _Stub(700, 500), _Stub(600, 600)
+    step.compile("a", None, None, [], a)
+    step.compile("idle", None, None, [], lambda gm, inputs: (lambda *args: None))
+    with pytest.raises(BudgetError) as info:
+        step.compile("b", None, None, [], b)
+    text = str(info.value)
+    assert f"2 graphs: g{id(a)}, g{id(b)}; 1 more that save nothing" in text, text
+    assert " holds 0 " not in text and ", ," not in text
+
+
 def test_budget_scope_is_validated() -> None:
     assert Options().budget_scope == "step"
     with pytest.raises(fxckpt.OptionsError, match="budget_scope"):

@@ -81,6 +81,11 @@ class Graph:
     pool_capped: bool = False  # the host budget kept offloads on the device that it needed gone
     known: bool = False  # planned in this process, or its plan reported by its first run
     recompile: Callable[[int], None] | None = None
+    frame: str = ""  # dynamo's id for the compile, for a graph that never planned (no name)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.frame or "a graph"
 
 
 class StepBudget:
@@ -144,7 +149,9 @@ class StepBudget:
         """Compile one graph of the step under its share; returns what dynamo calls."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = Graph(name or "")
+            compile_id = compat.current_compile_id()
+            frame = "" if compile_id is None else str(compile_id).strip("[]")
+            entry = self.graphs[key] = Graph(name or "", frame=frame)
         else:  # a recompile (a new shape, say) replaces the graph's own entry
             entry.known = entry.floor = False
         self.verdict_given = False
@@ -177,7 +184,7 @@ class StepBudget:
                     with compat.no_tracing_context():
                         holder[0] = build(budget, replan_inputs)
                 except Exception as e:  # the graph keeps the plan it runs; the step goes on
-                    log.warning("fxckpt[%s] re-planning for the step failed: %s", entry.name, e)
+                    log.warning("fxckpt[%s] re-planning for the step failed: %s", entry.label, e)
                     entry.recompile, entry.floor, entry.known = None, True, True
                     return
                 if not entry.known:
@@ -223,7 +230,7 @@ class StepBudget:
             g.recompile(max(1, g.end - self.debt))  # at its floor, it is asked no more
         if self.debt > 0 and not isinstance(self.options.memory_budget, float):
             # Under a byte budget later graphs only add to the step: it cannot be met.
-            self.verdict(graph.name)
+            self.verdict(graph.label)
 
     def _arm_verdict(self, out: Any) -> None:
         for leaf in pytree.tree_leaves(out):
@@ -239,28 +246,34 @@ class StepBudget:
         """Raise (or warn) that the step cannot meet its budget, naming its smallest figure:
         the step's peak with every graph that missed its share at its floor.
 
-        A step of one graph is that graph: its budget, plan and floor are the ones
-        ``budget_scope="graph"`` gives it, and so is its error (the graph's name, the sizes
-        its plan was made for, the hints)."""
+        A step of one graph (or of one graph that saves anything) is that graph: its budget,
+        plan and floor are the ones ``budget_scope="graph"`` gives it, and so is its error
+        (the graph's name, the sizes its plan was made for, the hints)."""
         self.verdict_given = True
         graphs = list(self.graphs.values())
         pool_capped = any(g.pool_capped for g in graphs)
         smallest, at = self.peak()
-        if len(graphs) == 1:
-            (g,) = graphs
-            error = BudgetError(g.name, self.total(), smallest, hints(self.options, pool_capped),
+        # A graph that saves nothing for its backward (no grad, or nothing to save) is
+        # counted, not listed: it is no part of the figure.
+        holding = [g for g in graphs if g.peak or g.end] or graphs
+        if len(holding) == 1:
+            (g,) = holding
+            error = BudgetError(g.label, self.total(), smallest, hints(self.options, pool_capped),
                                 g.sizes)  # fmt: skip
             plans = "plan"
         else:
             parts = ", ".join(
-                f"{g.name} holds {g.end} after its forward, {g.peak} at most"
+                f"{g.label} holds {g.end} after its forward, {g.peak} at most"
                 + (f" (planned for {g.sizes})" if g.sizes else "")
-                for g in graphs
+                for g in holding
             )
-            where = f"while {at.name} runs; " if at is not None else ""
-            names = ", ".join(g.name for g in graphs)
+            where = f"while {at.label} runs; " if at is not None else ""
+            names = ", ".join(g.label for g in holding)
+            idle = len(graphs) - len(holding)
+            if idle:
+                names += f"; {idle} more that save nothing"
             error = BudgetError(
-                f"the step ({len(graphs)} graphs: {names})", self.total(), smallest,
+                f"the step ({len(holding)} graphs: {names})", self.total(), smallest,
                 hints(self.options, pool_capped), "; ".join(g.sizes for g in graphs if g.sizes),
                 scope="step", detail=where + parts,
             )  # fmt: skip
