@@ -6,6 +6,7 @@ that is what they are for.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ def measure_forward(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.
     its backward, so nothing it saved outlives the call."""
     if warm:
         _loss(_call(compiled, inputs)).backward()
+    gc.collect()  # no earlier test's garbage is collected inside the call (its finalizers run there)
     m = fxckpt.measure(lambda: _call(compiled, inputs))
     _loss(m.output).backward()
     return m
@@ -36,4 +38,5 @@ def measure_step(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.Mea
     warm-up step unless ``warm=False``: its ``peak_bytes`` is the step's peak."""
     if warm:
         _loss(_call(compiled, inputs)).backward()
+    gc.collect()
     return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward())

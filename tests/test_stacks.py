@@ -67,7 +67,10 @@ def _trained(name: str, blocks: str | None = None) -> tuple[fxckpt.Plan, int]:
     backend = fxckpt.backend(compiler="eager", segment_stride=2, blocks=blocks)
     compiled = assert_step_matches(model, inputs, backend, **TOL)
     (plan,) = fxckpt.last_plans()
-    return plan, measure_forward(compiled, inputs, warm=False).held_bytes
+    # Measured after a warm-up step: CI once saw 5056 bytes (a CPU RNG state's size) more held
+    # on the second call of the same plan, in a worker that had run other files first; not
+    # reproduced alone or after test_hf_models.
+    return plan, measure_forward(compiled, inputs).held_bytes
 
 
 @pytest.mark.heavy
