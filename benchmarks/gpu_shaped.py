@@ -190,6 +190,9 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
         "est_overhead_ms": sum(p.est_overhead_ms for p in plans),
         "compute_ms": (sum(p.timeline["compute_ms"] for p in plans if p.timeline)
                        if timed else None),
+        # The graphs' compute (recompute included) plus what the copies add, per plan.
+        "predicted_step_ms": (sum(p.timeline["predicted_step_ms"] for p in plans if p.timeline)
+                              if timed else None),
         "assumptions": plans[0].assumptions if plans else {},
     }
 

@@ -167,8 +167,7 @@ def extras(by: dict[str, dict[str, Any]], bandwidth: float) -> dict[str, Any]:
         floor_s = moved / bandwidth * min(r.get("link_scales") or [1.0])
         out[n] = {
             "step_ms": step_ms,
-            "predicted_step_ms": (None if plan["compute_ms"] is None
-                                  else plan["compute_ms"] + plan["est_overhead_ms"]),
+            "predicted_step_ms": plan.get("predicted_step_ms"),
             "offloaded_bytes_per_step": moved,
             # The plan's figures are at the compute speed the link was sized at; each round
             # ran at ``link_scales`` of it.

@@ -351,7 +351,7 @@ def _settle(ctx: Context) -> None:
             ticket.planned(peak, sum(kept), reached=solution.feasible, sizes=sizes,
                            pool_capped=decision.host_capped)  # fmt: skip
             notes += ticket.notes()
-        plan_timeline = timeline(decision.problem, solution.sim.resident, budget)
+        plan_timeline = timeline(decision.problem, solution.sim.resident, budget, solution_ms)
         if sizes:
             notes.append(f"planned for {sizes}")
             if ctx.replans:

@@ -314,9 +314,10 @@ def hints(options: Options, pool_capped: bool = False) -> list[str]:
     return out
 
 
-def timeline(problem: Problem, resident: list[int], budget: int | None, points: int = 1200
-             ) -> dict[str, Any]:
-    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports."""
+def timeline(problem: Problem, resident: list[int], budget: int | None, added_ms: float = 0.0,
+             points: int = 1200) -> dict[str, Any]:
+    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports;
+    ``added_ms``: what the solution's copies add to the step (its ``cost_ms``)."""
     keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
     F, T = problem.timeline.num_forward, len(resident)
     step_ = max(1, math.ceil(T / points))
@@ -324,10 +325,13 @@ def timeline(problem: Problem, resident: list[int], budget: int | None, points: 
     return {
         "forward_end": F // step_,
         "positions": T,
-        # The cost model's compute for the step (before what the plan adds: est_overhead_ms),
-        # and the forward's part of it.
+        # The cost model's compute for the step's graphs as partitioned, with the recompute
+        # min-cut carries out in the backward, and the forward's part of it. (est_overhead_ms
+        # is against the baseline's graphs: adding it to this would count recompute twice.)
         "compute_ms": float(sum(problem.timeline.step_ms)),
         "forward_compute_ms": float(sum(problem.timeline.step_ms[:F])),
+        # The step's predicted time: those graphs plus what the solution adds.
+        "predicted_step_ms": float(sum(problem.timeline.step_ms)) + added_ms,
         "stride": step_,
         "baseline": pool(keep_all),
         "plan": pool(resident),

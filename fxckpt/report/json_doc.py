@@ -101,6 +101,7 @@ TIMELINE_SCHEMA: dict[str, Any] = {
         "baseline": {"type": "array", "items": _INT},
         "plan": {"type": "array", "items": _INT},
         "budget": {"type": ["integer", "null"]},
+        "compute_ms": _NUM, "forward_compute_ms": _NUM, "predicted_step_ms": _NUM,
     },
 }
 
