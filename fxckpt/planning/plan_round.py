@@ -322,16 +322,17 @@ def timeline(problem: Problem, resident: list[int], budget: int | None, added_ms
     F, T = problem.timeline.num_forward, len(resident)
     step_ = max(1, math.ceil(T / points))
     pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
+    compute_ms = float(sum(problem.timeline.step_ms))
     return {
         "forward_end": F // step_,
         "positions": T,
         # The cost model's compute for the step's graphs as partitioned, with the recompute
         # min-cut carries out in the backward, and the forward's part of it. (est_overhead_ms
         # is against the baseline's graphs: adding it to this would count recompute twice.)
-        "compute_ms": float(sum(problem.timeline.step_ms)),
+        "compute_ms": compute_ms,
         "forward_compute_ms": float(sum(problem.timeline.step_ms[:F])),
         # The step's predicted time: those graphs plus what the solution adds.
-        "predicted_step_ms": float(sum(problem.timeline.step_ms)) + added_ms,
+        "predicted_step_ms": compute_ms + added_ms,
         "stride": step_,
         "baseline": pool(keep_all),
         "plan": pool(resident),

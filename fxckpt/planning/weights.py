@@ -63,11 +63,9 @@ def step_estimate(plan: Plan) -> CopyEstimate | None:
     overhead = float(assumed.get("link_overhead_ms", {}).get("value") or 0.0)
     host = float(assumed.get("copy_overhead_ms", {}).get("value") or 0.0)
     forward = float(plan.timeline["forward_compute_ms"])
-    # The graphs' compute holds the recompute min-cut carried out; a plan from before that
-    # figure existed adds est_overhead_ms (which counts that recompute a second time).
-    step = plan.timeline.get("predicted_step_ms")
-    step = float(plan.timeline["compute_ms"]) + plan.est_overhead_ms if step is None else float(step)
-    backward = step - forward
+    # The graphs' compute (the recompute min-cut carried out included) and what copies add;
+    # a plan written before that figure existed has the graphs' compute only.
+    backward = float(plan.timeline.get("predicted_step_ms", plan.timeline["compute_ms"])) - forward
     restored = plan.offloaded_bytes
     return exposed_copy_ms(plan.weights, bandwidth=bandwidth, overhead_ms=overhead,
                            forward_compute_ms=forward, backward_compute_ms=backward,
