@@ -9,12 +9,14 @@ than they measured. ``predicted_step_ms`` is the graphs' time plus what the copi
 
 from __future__ import annotations
 
+import pytest
 import torch
 from equality import assert_step_matches
 from models import GPT, gpt_inputs
 
 import fxckpt
-from fxckpt.planning.weights import step_estimate
+from fxckpt.planning.plan import PlannedWeight
+from fxckpt.planning.weights import exposed_copy_ms, step_estimate
 
 
 def _plan(**options) -> fxckpt.Plan:
@@ -48,6 +50,21 @@ def test_the_predicted_step_adds_what_the_copies_cost() -> None:
     assert plan.timeline["predicted_step_ms"] > plan.timeline["compute_ms"]
 
 
-def test_a_plans_weight_estimate_reads_the_predicted_step() -> None:
-    plan = _plan(memory_budget=0.05, offload="never", on_infeasible="warn")
-    assert step_estimate(plan) is None  # no streamed weights: nothing to estimate
+def test_a_plans_weight_estimate_hides_copies_behind_the_predicted_backward() -> None:
+    # 1 MB/s: a 4 KB weight's backward copy takes 4.1 ms, behind a predicted backward of
+    # 5 - 2 = 3 ms (its recompute included), so about 1.1 ms of it shows. Adding
+    # est_overhead_ms on top (recompute counted again) would hide it behind 101 ms.
+    weight = PlannedWeight("w", "w", (1024,), "float32", 4096, 0, 1, "stream", "")
+    plan = fxckpt.Plan(
+        "g", [], est_overhead_ms=100.0, weights=[weight],
+        timeline={"compute_ms": 3.0, "forward_compute_ms": 2.0, "predicted_step_ms": 5.0},
+        assumptions={"bandwidth_bytes_per_s": {"value": 1e6, "source": "option"}},
+    )
+    est = step_estimate(plan)
+    assert est is not None and est.backward_ms == pytest.approx(4.096)
+    want = exposed_copy_ms([weight], bandwidth=1e6, overhead_ms=0.0, forward_compute_ms=2.0,
+                           backward_compute_ms=3.0)
+    assert est.exposed_ms == pytest.approx(want.exposed_ms)
+    assert est.exposed_ms > exposed_copy_ms([weight], bandwidth=1e6, overhead_ms=0.0,
+                                            forward_compute_ms=2.0,
+                                            backward_compute_ms=101.0).exposed_ms
