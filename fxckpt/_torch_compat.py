@@ -19,10 +19,8 @@ MIN_TORCH = (2, 11)
 MAX_TORCH_EXCLUSIVE = (2, 16)
 
 if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
-    raise ImportError(
-        f"fxckpt supports torch >=2.11,<2.16; found torch {torch.__version__}. "
-        "Install a supported torch, for example `pip install torch==2.13.0`."
-    )
+    raise ImportError(f"fxckpt supports torch >=2.11,<2.16; found torch {torch.__version__}. "
+                      "Install a supported torch, for example `pip install torch==2.13.0`.")
 
 # Partitioning.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402, F401
@@ -125,20 +123,15 @@ def register_logging() -> None:
 def trace_plan_artifact(name: str, payload: str) -> None:
     """Emit a plan as a structured-trace artifact, so tlparse shows it beside the graphs."""
     from torch._logging import trace_structured
-    trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"fxckpt_plan_{name}", "encoding": "json"},
-        payload_fn=lambda: payload,
-    )
+    trace_structured("artifact", payload_fn=lambda: payload,
+                     metadata_fn=lambda: {"name": f"fxckpt_plan_{name}", "encoding": "json"})
 
 
 def saved_tensors_hooks_free() -> bool:
     """Whether a pack hook pushed now sees every saved tensor and hides no hook of the caller's."""
     autograd = torch._C._autograd
-    return bool(
-        autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
-        and autograd._top_saved_tensors_default_hooks(False) is None
-    )
+    return bool(autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+                and autograd._top_saved_tensors_default_hooks(False) is None)
 
 
 def compile_call_owner() -> Any:
@@ -150,6 +143,12 @@ def compile_call_owner() -> Any:
         return None
     output = getattr(tx, "output", None) if tx is not None else None
     return getattr(output, "compiler_fn", None)
+
+
+def compiled_module_of(obj: Any) -> Any:
+    """The module ``obj`` wraps where it is dynamo's wrapper of a compiled module, else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return obj._orig_mod if isinstance(obj, OptimizedModule) else None
 
 
 def current_compile_id() -> Any:
@@ -360,6 +359,7 @@ def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
     as AOTAutograd makes them; None for tensor subclasses or fakes of another mode."""
     from torch._guards import TracingContext
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.nn import Parameter
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
     ctx = TracingContext.try_get()
     mode = ctx.fake_mode if ctx is not None and ctx.fake_mode is not None else None
@@ -376,8 +376,7 @@ def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
                 if x.fake_mode is not mode:
                     return None
                 out.append(x)
-            elif is_traceable_wrapper_subclass(x) or type(x) not in (torch.Tensor,
-                                                                     torch.nn.Parameter):
+            elif is_traceable_wrapper_subclass(x) or type(x) not in (torch.Tensor, Parameter):
                 return None
             else:
                 symbolic = contexts.get(x) if contexts else None

@@ -184,18 +184,21 @@ def compile_graph(
 
     ``offline``: planning on meta tensors (``fxckpt inspect``); the runtime is left alone.
     Otherwise the graph's copies are measured at run time, and under ``adapt="auto"`` a graph
-    whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`). Under
-    ``budget_scope="step"`` the graph is one of its step's (:mod:`fxckpt.planning.step_budget`),
-    which gives it its share of ``memory_budget``.
+    whose measurements contradict its plan is re-planned (:mod:`fxckpt.adapt`). Under a
+    ``memory_budget`` the graph is one of its step's (:mod:`fxckpt.planning.step_budget`),
+    which gives it its target: what the budget leaves its own forward and backward.
     """
     if not offline:
         configure_runtime(options)
     from fxckpt.planning import step_budget
 
     if step_budget.applies(options):
-        step = step_budget.step_for(options)
+        from fxckpt.passes.inductor_peak import step_peak_parts
+
+        step = step_budget.step_for(options, step_peak_parts if options.compiler == "inductor" else
+                                    lambda payload: None)
         return step.compile(
-            step_budget.graph_key(), None, gm, example_inputs,
+            step_budget.graph_key(), gm, example_inputs,
             lambda g, inputs: _compile_measured(g, inputs, options, mode, offline=offline),
         )  # fmt: skip
     return _compile_measured(gm, example_inputs, options, mode, offline=offline)

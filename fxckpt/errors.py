@@ -26,13 +26,16 @@ class OptionsError(FxckptError, ValueError):
 class BudgetError(FxckptError):
     """No plan fits the memory budget.
 
-    ``smallest_bytes`` is the smallest resident peak the planner could reach, and
-    ``suggestions`` lists options that would go lower. Under dynamic shapes ``sizes`` names the
-    lengths the plan was made for (``L['idx'].size()[1]=512``).
+    ``smallest_bytes`` is the smallest budget the planner reaches: written back as
+    ``memory_budget``, it runs and holds. ``parts`` splits it where it peaks (``start_bytes``:
+    what the device held when the step began; ``gradients_bytes``; ``activations_bytes``:
+    everything else the step holds there), and ``suggestions`` lists options that would go
+    lower. Under dynamic shapes ``sizes`` names the lengths the plan was made for
+    (``L['idx'].size()[1]=512``).
 
-    ``scope`` is ``"graph"`` (one graph missed its own budget, under ``budget_scope="graph"``)
-    or ``"step"``: the graphs of one step together cannot meet the step's budget, and
-    ``smallest_bytes`` is the smallest the step reaches, ``detail`` each graph's part.
+    ``scope`` is ``"step"`` (the step as a whole, every graph and run counted) or ``"graph"``
+    (one graph's range of sizes under ``mark_dynamic``, its saved activations against what its
+    plan allows there).
     """
 
     def __init__(
@@ -46,7 +49,10 @@ class BudgetError(FxckptError):
         scope: str = "graph",
         detail: str = "",
         option: str = "memory_budget",
+        parts: dict[str, int] | None = None,
     ) -> None:
+        from fxckpt.units import format_bytes
+
         self.graph = graph
         self.option = option
         self.budget_bytes = budget_bytes
@@ -54,34 +60,34 @@ class BudgetError(FxckptError):
         self.suggestions = list(suggestions)
         self.sizes = sizes
         self.scope = scope
+        self.parts = dict(parts or {})
         hint = ("; to go lower: " + ", ".join(suggestions)) if suggestions else ""
         at = f" at {sizes}" if sizes else ""
         if scope == "step":
+            split = ""
+            if self.parts:
+                p = self.parts
+                split = (f": {format_bytes(p.get('start_bytes', 0))} held when the step starts, "
+                         f"{format_bytes(p.get('gradients_bytes', 0))} of gradients, "
+                         f"{format_bytes(p.get('activations_bytes', 0))} of activations and "
+                         "temporaries where it peaks")
+            more = f" ({detail})" if detail else ""
             self.summary = (
-                f"fxckpt: {graph} cannot meet memory_budget={budget_bytes} bytes for the "
-                f"step: the smallest the step reaches is {smallest_bytes} bytes "
-                f"({detail}){hint}."
-            )
-        elif option == "peak_budget":
-            self.summary = (
-                f"fxckpt: graph {graph!r} cannot meet peak_budget={budget_bytes} bytes{at}: the "
-                f"smallest step peak the planner reaches there is {smallest_bytes} bytes (saved "
-                f"activations, what the backward rebuilds and restores, gradients and "
-                f"temporaries){hint}."
+                f"fxckpt: {graph}{at} cannot meet memory_budget={budget_bytes} bytes "
+                f"({format_bytes(budget_bytes)}): the smallest budget it runs under is "
+                f"memory_budget={smallest_bytes} ({format_bytes(smallest_bytes)}){split}{more}{hint}."
             )
         else:
             self.summary = (
-                f"fxckpt: graph {graph!r} cannot meet {option}{at}: it leaves the saved "
-                f"activations {budget_bytes} bytes, and the smallest resident peak the planner "
-                f"reaches there is {smallest_bytes} bytes{hint}."
-                if option != "memory_budget" else
-                f"fxckpt: graph {graph!r} cannot meet memory_budget={budget_bytes} bytes{at}: "
-                f"the smallest resident peak the planner reaches there is {smallest_bytes} "
-                f"bytes{hint}."
-            )  # fmt: skip
+                f"fxckpt: graph {graph!r} cannot meet {option}{at}: its plan allows the saved "
+                f"activations {budget_bytes} bytes there, and the smallest the planner reaches "
+                f"is {smallest_bytes} bytes{hint}."
+            )
         super().__init__(
-            f"{self.summary} Raise {option}, or pass on_infeasible='warn' to run the "
-            "smallest plan."
+            f"{self.summary} Write memory_budget={smallest_bytes} or more, or pass "
+            "on_infeasible='warn' to run the smallest plan."
+            if scope == "step" else
+            f"{self.summary} Raise {option}, or pass on_infeasible='warn' to run the smallest plan."
         )
 
 

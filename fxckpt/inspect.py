@@ -218,12 +218,12 @@ def _report_steps(progress: Progress | None) -> Iterator[None]:
 def inspect_options(**options: Any) -> Options:
     """The Options an offline run uses: ``compiler="eager"``, ``on_infeasible="warn"`` unless set.
 
-    ``memory_budget="auto"`` raises :class:`OptionsError`: there is no device to measure.
+    ``memory_budget="auto"`` raises :class:`OptionsError`: the meta device has no capacity.
     """
     merged = {"on_infeasible": "warn", **options, "compiler": "eager"}
     opts = Options.from_mapping(merged)
     if opts.memory_budget == "auto":
-        opts.resolve_budget(0, device="meta")  # raises: meta has no free memory to measure
+        opts.resolve_budget(device="meta")  # raises: the meta device has no capacity to read
     return opts
 
 

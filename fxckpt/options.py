@@ -1,7 +1,7 @@
 """``Options``: every fxckpt knob, parsed and validated once at the backend's entry.
 
 The backend builds one :class:`Options` and passes it down; no pass reads globals. Importing
-this module does not import torch (:meth:`Options.resolve_budget` imports it lazily).
+this module does not import torch.
 """
 
 from __future__ import annotations
@@ -27,18 +27,37 @@ from fxckpt.units import parse_bandwidth, parse_bytes
 if TYPE_CHECKING:
     import torch
 
-# memory_budget="auto" leaves headroom for what the saved-activation budget does not cover:
-# allocator fragmentation and rounding, Inductor workspaces, cuBLAS/cuDNN workspaces and the
-# gradients that appear during the backward. 10 % of the free memory scales with the device;
-# the 512 MiB floor covers the fixed-size part (CUDA context growth, library handles).
-AUTO_MARGIN = 0.10
-AUTO_MARGIN_BYTES = 512 * 2**20
+# memory_budget="auto" is the device's capacity less a margin for what the allocator's figure
+# does not see but the card must hold: the CUDA context and library workspaces (cuBLAS,
+# cuDNN, NCCL), and the caching allocator's fragmentation (reserved over allocated). 5 % of
+# the capacity scales with the card; 1 GiB more covers the fixed-size part (on a card under
+# 20 GiB, or a small capacity stated for the CPU, another 5 % instead).
+AUTO_MARGIN = 0.05
+AUTO_MARGIN_BYTES = 2**30
 
 _BUDGET_ACCEPTED = (
-    'None, a positive int number of bytes, a string such as "12GiB" or "800MB", '
-    'a float fraction in (0, 1], or "auto"'
+    'None, a positive int number of bytes (the step\'s device peak), a string such as "12GiB" '
+    'or "800MB", a float fraction in (0, 1] (from the lowest plan\'s step peak to plain '
+    'torch.compile\'s), or "auto" (the device\'s capacity less a margin)'
 )
 _AUTO_FALLBACK = "an explicit budget in bytes or a fraction"
+# Options of earlier versions that memory_budget replaces, and what to write instead.
+REMOVED: dict[str, str] = {
+    "peak_budget": (
+        "memory_budget with the same bytes plus what the device holds when the step starts "
+        "(memory_budget is now the step's absolute device peak, weights and optimizer state "
+        "included); docs/options.md#migrating-from-peak_budget-device_budget-and-budget_scope"
+    ),
+    "device_budget": (
+        "memory_budget (the step's device peak now counts the streamed weights' device copies "
+        "and keeps resident the weights it has room for); "
+        "docs/options.md#migrating-from-peak_budget-device_budget-and-budget_scope"
+    ),
+    "budget_scope": (
+        "nothing: memory_budget always bounds the whole step, every graph and every run of a "
+        "graph counted; docs/options.md#migrating-from-peak_budget-device_budget-and-budget_scope"
+    ),
+}
 _HOST_BUDGET_ACCEPTED = (
     'None (no limit), an int number of bytes, a string such as "64GiB", a float fraction in '
     '(0, 1] of the machine\'s RAM, or "auto"'
@@ -56,7 +75,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "compiler": ("inductor", "eager"),
     "on_infeasible": ("raise", "warn"),
     "adapt": ("auto", "never", "measure"),
-    "budget_scope": ("step", "graph"),
 }
 
 
@@ -97,29 +115,6 @@ def _parse_budget(value: Any) -> int | float | str | None:
     if budget == 0:
         raise OptionsError(option, value, accepted, "a zero budget; use None for no limit")
     return budget
-
-
-def _parse_bytes_only(option: str, value: Any, example: str, why: str) -> int | None:
-    """A budget in bytes only (``device_budget``, ``peak_budget``): ``why`` says why no fraction."""
-    accepted = f'None, a positive int number of bytes, or a string such as "{example}"'
-    if value is None:
-        return None
-    if isinstance(value, float) or value == "auto":
-        raise OptionsError(option, value, accepted, why)
-    budget = parse_bytes(value, option)
-    if not budget:
-        raise OptionsError(option, value, accepted, "a zero budget; use None for no limit")
-    return budget
-
-
-def _parse_device_budget(value: Any) -> int | None:
-    return _parse_bytes_only("device_budget", value, "6GiB",
-                             "the device budget is bytes; a fraction has no one baseline to be of")
-
-
-def _parse_peak_budget(value: Any) -> int | None:
-    return _parse_bytes_only("peak_budget", value, "12GiB",
-                             "the peak budget is bytes: what fxckpt.measure reads as the step's peak")
 
 
 def _parse_host_budget(value: Any) -> int | float | str | None:
@@ -223,15 +218,6 @@ class Options:
     on_infeasible: str = _default("raise")
     # Re-plan a graph whose measured copies contradict its plan's assumptions (fxckpt.adapt).
     adapt: str = _default("auto")
-    # "step": memory_budget bounds the sum over the graphs of one torch.compile call (each
-    # gets a share, planning.step_budget); "graph": every graph on its own, as before.
-    budget_scope: str = _default("step")
-    # With streamed weights (fxckpt.stream_weights): bytes for the saved activations and the
-    # weight copies on the device together, per graph; None: no such bound.
-    device_budget: int | str | None = _default(None)
-    # Bytes for the whole step's peak of one graph (saved, rebuilt and restored tensors,
-    # gradients, temporaries), as plans predict it and fxckpt.measure reads it; None: no bound.
-    peak_budget: int | str | None = _default(None)
     blocks: str | None = _default(None)
     block_index: int | None = _default(None)
 
@@ -255,8 +241,6 @@ class Options:
         put("_explicit", tuple(sorted(explicit)))
 
         put("memory_budget", _parse_budget(self.memory_budget))
-        put("device_budget", _parse_device_budget(self.device_budget))
-        put("peak_budget", _parse_peak_budget(self.peak_budget))
         stride = _parse_int(self.segment_stride, "segment_stride", 0)
         put("segment_stride", stride)
         width = stride if self.segment_width is None else self.segment_width
@@ -307,6 +291,8 @@ class Options:
         if not isinstance(mapping, Mapping):
             raise OptionsError("options", mapping, "a mapping of option names to values")
         for key, value in mapping.items():
+            if key in REMOVED:
+                raise OptionsError(str(key), value, REMOVED[key], f"{key!r} was removed")
             if key not in OPTION_NAMES:
                 near = suggest_option(str(key))
                 hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -333,24 +319,20 @@ class Options:
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def resolve_budget(
-        self, baseline_saved_bytes: int, *, device: torch.device | str | None = None
-    ) -> int | None:
-        """Return the budget in bytes for one graph, or ``None`` when there is no limit.
+    def resolve_budget(self, *, device: torch.device | str | None = None) -> int | None:
+        """The step's budget in bytes, or ``None`` where there is no limit or it is a fraction
+        (each graph resolves a fraction against its own range of plans).
 
-        ``baseline_saved_bytes`` is what plain min-cut saves; a float budget is a fraction of it.
-        ``"auto"`` is the memory free on ``device`` now (``None`` means the host), less
-        ``AUTO_MARGIN`` of it and ``AUTO_MARGIN_BYTES``, and never below 0.
+        ``"auto"`` is ``device``'s capacity (:func:`fxckpt._capacity.capacity_bytes`) less
+        ``AUTO_MARGIN`` of it and ``AUTO_MARGIN_BYTES``, never below 0.
         """
         budget = self.memory_budget
-        if budget is None or isinstance(budget, int):
-            return budget
-        if isinstance(budget, float):
-            if baseline_saved_bytes < 0:
-                raise ValueError(f"baseline_saved_bytes must be >= 0, got {baseline_saved_bytes}")
-            return int(budget * baseline_saved_bytes)
-        free = _free_bytes(device)
-        return max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
+        if budget is None or isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            return budget if isinstance(budget, int) else None
+        from fxckpt._capacity import capacity_bytes
+
+        total = capacity_bytes("cpu" if device is None else device)
+        return auto_budget(total)
 
     def resolve_host_budget(self) -> int | None:
         """The host budget in bytes, or ``None`` when there is no limit
@@ -382,19 +364,10 @@ def _check_blocks(blocks: Any) -> None:
         raise OptionsError("blocks", blocks, accepted, f"invalid regex: {e}") from None
 
 
-def _free_bytes(device: torch.device | str | None) -> int:
-    """Bytes free on ``device`` now: the accelerator's free memory, or the host's available RAM."""
-    import torch  # lazily: importing fxckpt must not import torch's CUDA state
-
-    dev = torch.device("cpu" if device is None else device)
-    if dev.type == "cpu":
-        return _host.available_bytes()
-    backend = getattr(torch, dev.type, None)
-    mem_get_info = getattr(backend, "mem_get_info", None)  # torch.cuda, torch.xpu
-    if mem_get_info is None:
-        detail = f"cannot measure free memory on device {str(dev)!r}"
-        raise OptionsError("memory_budget", "auto", _AUTO_FALLBACK, detail)
-    return int(mem_get_info(dev)[0])
+def auto_budget(capacity: int) -> int:
+    """``memory_budget="auto"`` on a device of ``capacity`` bytes."""
+    fixed = min(AUTO_MARGIN_BYTES, int(capacity * AUTO_MARGIN))
+    return max(0, int(capacity * (1 - AUTO_MARGIN)) - fixed)
 
 
 # Names that Options accepts but does not keep: each sets the option it maps to.

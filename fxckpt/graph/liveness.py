@@ -7,6 +7,7 @@ this counts everything a graph holds, from the nodes' ``meta["val"]``.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -169,22 +170,42 @@ def host_handles(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return found
 
 
-def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
-                    transient: Collection[torch.fx.Node] = ()) -> int:
-    """The peak of the memory one training step allocates, predicted from the liveness of its
-    partitioned forward and backward graphs as fxckpt's rewrite left them.
+@dataclass(frozen=True)
+class StepLiveness:
+    """Bytes live at each position of a partitioned step, what exists before the step left
+    out: ``forward[k]`` at the forward's node ``k``, ``backward[k]`` at the backward's."""
+
+    forward: list[int]
+    backward: list[int]
+
+    @property
+    def peak(self) -> int:
+        return max([*self.forward, *self.backward], default=0)
+
+    @property
+    def forward_peak(self) -> int:
+        return max(self.forward, default=0)
+
+    @property
+    def backward_peak(self) -> int:
+        return max(self.backward, default=0)
+
+
+def step_liveness(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                  transient: Collection[torch.fx.Node] = ()) -> StepLiveness:
+    """The live bytes of one training step at every node of its partitioned forward and
+    backward graphs, as fxckpt's rewrite left them (or before it: a plain partition).
 
     Not counted: what exists before the step (the forward's inputs: parameters, buffers, the
     batch; the backward takes the parameters it needs as inputs too; the streamed weights'
     device copies the plan keeps across steps, ``fxckpt::resident_weight``), and host memory
     (the offload handles and prefetch tickets are 0-d CPU tensors, :func:`host_handles`; a
     streamed weight's gradient from ``fxckpt::grad_host`` on). Counted in the backward: every
-    other input (the saved tensors, freed at their last use; the tangents), what it computes and recomputes,
-    and each restored tensor from its prefetch on, where the engine allocates its buffer.
-    Each graph's timeline is exact for graphs run op by op (``compiler="eager"``).
-    ``transient``: nodes of either graph whose values never reach memory (what Inductor
-    computes inside a fused kernel), which count nothing. Under Inductor the plan reports
-    Inductor's own figure where it has one (:mod:`fxckpt.passes.inductor_peak`).
+    other input (the saved tensors, freed at their last use; the tangents), what it computes
+    and recomputes, and each restored tensor from its prefetch on, where the engine allocates
+    its buffer. Exact for graphs run op by op (``compiler="eager"``). ``transient``: nodes of
+    either graph whose values never reach memory (what Inductor computes inside a fused
+    kernel), which count nothing.
     """
     inputs = input_storages(fw)
     transient = {*transient, *host_handles(fw), *host_handles(bw),
@@ -199,4 +220,32 @@ def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
         skip_storages=inputs,
         fresh={m: span_bytes(m.meta.get("val")) for m in at},
     )
-    return max([*fw_live, *bw_live], default=0)
+    return StepLiveness(fw_live, bw_live)
+
+
+def step_peak_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                    transient: Collection[torch.fx.Node] = ()) -> int:
+    """The peak of the memory one training step allocates (:func:`step_liveness`), what
+    exists before the step left out. Under Inductor the plan reports Inductor's own figure
+    where it has one (:mod:`fxckpt.passes.inductor_peak`)."""
+    return step_liveness(fw, bw, transient).peak
+
+
+def held_for_backward(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Bytes the forward leaves on the device for its backward: the storages of what it saves
+    (its outputs after the first ``num_fwd_outputs``), each once, what existed before the
+    step (its inputs) and host memory (handles) left out."""
+    inputs = input_storages(fw)
+    out = fw.graph.find_nodes(op="output")[0]
+    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    handles = host_handles(fw)
+    seen: dict[object, int] = {}
+    for node in args[num_fwd_outputs:]:
+        if not hasattr(node, "meta") or node in handles:
+            continue
+        val = node.meta.get("val")
+        key = storage_key(val)
+        if key is None or key in inputs:
+            continue
+        seen.setdefault(key, _tensor_bytes(val))
+    return sum(seen.values())

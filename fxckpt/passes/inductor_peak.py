@@ -173,6 +173,20 @@ def step_peak(payload: str) -> int | None:
     return max(int(parts["fw"]), int(parts["bw"])) if {"fw", "bw"} <= parts.keys() else None
 
 
+def step_peak_parts(payload: str) -> tuple[int, int] | None:
+    """The forward's and the backward's peak in Inductor's schedules of the plan of
+    ``payload``, or None until both are known (the backward compiles at its first run)."""
+    key = plan_key(payload)
+    with _lock:
+        parts = dict(_figures.get(key, {}))
+    if len(parts) < 2:
+        if step_peak(payload) is None:
+            return None
+        with _lock:
+            parts = dict(_figures.get(key, {}))
+    return int(parts["fw"]), int(parts["bw"])
+
+
 def corrected(plan: Plan, payload: str) -> Plan:
     """``plan`` with Inductor's step peak in place of the graphs' liveness, where it has one."""
     peak = step_peak(payload)

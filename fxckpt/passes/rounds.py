@@ -19,9 +19,11 @@ import torch.fx as fx
 from fxckpt._torch_compat import make_graph_module
 from fxckpt.graph.activations import SavedActivation, saved_activations
 from fxckpt.graph.blocks import BlockFacts
+from fxckpt.graph.liveness import StepLiveness
 from fxckpt.options import Options
 from fxckpt.passes.pipeline import timed
 from fxckpt.passes.segment import SegmentReport, tag_recompute, tag_segments
+from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.layouts import NONE, Layout
 from fxckpt.planning.plan_round import Partition, RoundDecision, RoundPlanner
 from fxckpt.planning.problem import segment_recompute_ms
@@ -117,17 +119,19 @@ class Attempt:
 
 
 def plan_rounds(
-    start: Attempt, budget: int | None, *, source: fx.GraphModule,
+    start: Attempt, target: PeakTarget | None, *, source: fx.GraphModule,
     cut: Callable[..., GraphPair], blocks: BlockFacts, options: Options, device: torch.device,
     num_fwd_outputs: int, requests: set[str], assumed: dict[str, dict[str, Any]],
-    search_blocks: bool, graph_name: str,
+    search_blocks: bool, graph_name: str, live_of: Callable[[Partition], StepLiveness],
 ) -> Attempt:
-    """Planning rounds (the pipeline's plan stage) from ``start``'s partition under ``budget``; neither
-    ``source`` nor ``start`` is changed, so another budget can start again from them."""
-    planner = RoundPlanner(options, budget, device, blocks, num_fwd_outputs, requests, assumed)
+    """Planning rounds (the pipeline's plan stage) from ``start``'s partition under ``target``;
+    neither ``source`` nor ``start`` is changed, so another target can start again from them.
+    ``live_of``: a partition's own live bytes at each position (the step's figure)."""
+    planner = RoundPlanner(options, target, device, blocks, num_fwd_outputs, requests, assumed)
     part, report, segment_ms, rounds = start.part, start.report, start.segment_ms, Rounds()
     with timed(graph_name, "plan round 0"):
-        decision = planner.decide(part, search_blocks=search_blocks)
+        decision = planner.decide(part, live_of(part) if target is not None else None,
+                                  search_blocks=search_blocks)
     while decision is not None and decision.rewrites and rounds.recuts < MAX_RECUTS:
         rounds.take(decision, part)
         with timed(graph_name, "segment"):
@@ -144,7 +148,8 @@ def plan_rounds(
         # blocks too (one-block segments on top of those already recomputed).
         with timed(graph_name, f"plan round {rounds.recuts}"):
             decision = planner.decide(
-                part, search_blocks=search_blocks and rounds.layout.kind != "stride",
+                part, live_of(part) if target is not None else None,
+                search_blocks=search_blocks and rounds.layout.kind != "stride",
                 allow_recompute=rounds.recuts < MAX_RECUTS, keep_first=True, stuck=rounds.stuck,
             )  # fmt: skip
     return Attempt(decision, part, rounds, report, segment_ms)

@@ -228,6 +228,48 @@ def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], pref
             if layout.kind != "stride" or counted_low(layout) <= ceiling]
 
 
+def lowest(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> list[int]:
+    """The resident bytes at each position of the admissible layout whose lowest peak is
+    lowest, every candidate at its lowest choice (what :func:`search` falls back to when no
+    plan meets a budget)."""
+    options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
+    facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
+    allowed = admissible(problem, facts, options, prefetch) if len(options) > 1 else [0]
+    best: list[int] | None = None
+    for k in allowed:
+        pb = apply(problem, facts, options[k], rebuilt=True)
+        c = pb.candidates
+        res = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).resident  # type: ignore[arg-type]
+        if best is None or max(res, default=0) < max(best, default=0):
+            best = res
+    return best or []
+
+
+def lowest_peak(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> int:
+    """The lowest peak any admissible layout reaches (:func:`lowest`)."""
+    return max(lowest(problem, blocks, prefetch), default=0)
+
+
+def within_reach(problem: Problem, budget: int, blocks: Blocks | None, prefetch: str = "auto"
+                 ) -> tuple[Problem, int, int]:
+    """``problem`` and ``budget`` with the budget raised, position by position, to what the
+    lowest layout reaches there where it is lower than that; and the most it was raised by.
+
+    Where no plan meets a budget at some positions (a backward whose working set alone is
+    over it), the others still hold theirs: the search then finds the cheapest plan that
+    meets the budget wherever it can be met, and the floor elsewhere, instead of the plan
+    that evicts all it can."""
+    low = lowest(problem, blocks, prefetch)
+    excess = [max(0, r - budget) for r in low]
+    most = max(excess, default=0)
+    if most == 0:
+        return problem, budget, 0
+    tl = problem.timeline
+    fixed = list(tl.fixed_resident) if tl.fixed_resident is not None else [0] * tl.num_positions
+    fixed = [f + most - e for f, e in zip(fixed, excess, strict=True)]
+    return Problem(dataclasses.replace(tl, fixed_resident=fixed), problem.candidates), budget + most, most
+
+
 def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto") -> Pick:
     """The cheapest point of any admissible layout that meets ``budget``; else the layout
     whose lowest peak is lowest (ties: less block time), at the solver's lowest peak on it.
@@ -251,7 +293,7 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
             break  # nothing left can beat it
         layout = options[k]
         ms = blocks_ms(facts, layout)
-        pb = apply(problem, facts, layout)
+        pb = apply(problem, facts, layout, rebuilt=True)
         if not tight:
             bound = ms + lower_bound(pb, budget, iso)
             if math.isfinite(bound):
@@ -265,13 +307,13 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
         return best[3]
     lowest: tuple[int, float, int] | None = None
     for k in allowed:
-        pb = apply(problem, facts, options[k])
+        pb = apply(problem, facts, options[k], rebuilt=True)
         c = pb.candidates
         low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
         here = (low, blocks_ms(facts, options[k]), k)
         lowest = here if lowest is None or here < lowest else lowest
     layout = options[lowest[2]] if lowest is not None else NONE
-    pb = apply(problem, facts, layout)
+    pb = apply(problem, facts, layout, rebuilt=True)
     sol = greedy_curve(pb, prefetch).solution(budget)
     return Pick(layout, pb, sol, blocks_ms(facts, layout), freed(facts, layout))
 

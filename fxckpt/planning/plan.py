@@ -195,6 +195,19 @@ class Plan:
     step_inputs_bytes: int = 0
     # Streamed weights (fxckpt.stream_weights): each one's uses and where it lives.
     weights: list[PlannedWeight] = field(default_factory=list)
+    # The graph's own figures, from the rewritten graphs' liveness (what existed before the
+    # step left out): the most its forward and its backward hold at once, and what its
+    # forward leaves for its backward.
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    held_bytes: int = 0
+    # What memory_budget leaves the graph's own forward and backward ({"forward_bytes",
+    # "backward_bytes"}), where a budget is set.
+    target: dict[str, int] | None = None
+    # The step's predicted peak with this graph's plan, and its parts at the peak
+    # (planning.account.Account.parts: start_bytes, gradients_bytes, activations_bytes,
+    # total_bytes), where a budget is set.
+    step: dict[str, int] | None = None
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -251,6 +264,11 @@ class Plan:
             "timeline": self.timeline,
             "assumptions": {k: dict(v) for k, v in self.assumptions.items()},
             "predicted_step_peak_bytes": self.predicted_step_peak_bytes,
+            "forward_peak_bytes": self.forward_peak_bytes,
+            "backward_peak_bytes": self.backward_peak_bytes,
+            "held_bytes": self.held_bytes,
+            "target": dict(self.target) if self.target is not None else None,
+            "step": dict(self.step) if self.step is not None else None,
         } | ({"step_inputs_bytes": self.step_inputs_bytes} if self.step_inputs_bytes else {}) | (
             {"weights": [w.to_dict() for w in self.weights],
              "resident_weight_bytes": self.resident_weight_bytes,
@@ -273,6 +291,11 @@ class Plan:
             predicted_step_peak_bytes=d.get("predicted_step_peak_bytes"),
             step_inputs_bytes=int(d.get("step_inputs_bytes", 0)),
             weights=[PlannedWeight.from_dict(w) for w in d.get("weights", [])],
+            forward_peak_bytes=int(d.get("forward_peak_bytes") or 0),
+            backward_peak_bytes=int(d.get("backward_peak_bytes") or 0),
+            held_bytes=int(d.get("held_bytes") or 0),
+            target=dict(d["target"]) if d.get("target") else None,
+            step=dict(d["step"]) if d.get("step") else None,
         )
 
     def summary(self) -> str:
@@ -281,10 +304,18 @@ class Plan:
         def mib(n: int) -> str:
             return f"{n / 2**20:.2f} MiB"
 
-        budget = "none" if self.budget_bytes is None else mib(self.budget_bytes)
+        budget = "no budget" if self.budget_bytes is None else f"budget {mib(self.budget_bytes)}"
+        if self.step:
+            st = self.step
+            peak = (f"step peak {mib(st['total_bytes'])} predicted ({budget}): start "
+                    f"{mib(st['start_bytes'])}, gradients {mib(st['gradients_bytes'])}, "
+                    f"activations {mib(st['activations_bytes'])}")
+            if st.get("weights_bytes"):
+                peak += f", weights {mib(st['weights_bytes'])}"
+        else:
+            peak = f"own step peak {mib(self.predicted_step_peak_bytes or 0)} predicted ({budget})"
         return (
-            f"{self.name}: baseline saved {mib(self.baseline_saved_bytes)}, "
-            f"resident peak {mib(self.resident_peak_bytes)} (budget {budget}); "
+            f"{self.name}: {peak}; saved: baseline {mib(self.baseline_saved_bytes)}, "
             f"kept {mib(self.kept_bytes)}, offloaded {mib(self.offloaded_bytes)}"
             + (f" ({mib(self.disk_bytes)} to disk)" if self.disk_bytes else "")
             + f", recomputed {mib(self.recomputed_bytes)}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +25,11 @@ from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
 from fxckpt.graph.costs import random_output
+from fxckpt.graph.liveness import StepLiveness
 from fxckpt.options import Options
+from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.host import HostReport, place_tiers, warn_host_short
-from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, search
+from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, lowest_peak, search, within_reach
 from fxckpt.planning.memory import Problem, simulate
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.problem import (
@@ -36,6 +38,7 @@ from fxckpt.planning.problem import (
     copy_buckets,
     forced_offloads,
     group_by_storage,
+    in_the_step,
     offload_candidates,
     reasons,
     step_costs,
@@ -67,6 +70,16 @@ class RoundDecision:
     blocks_ms: float
     host: HostReport | None = None  # what host_budget moved: offloads to disk, recompute, keep
     host_capped: bool = False  # the plan met the budget before host_budget kept offloads
+    # What each position of the problem carries besides the graph's own bytes, so that one
+    # budget holds a target's limits (planning.problem.in_the_step, layouts.within_reach).
+    offsets: tuple[int, ...] = ()
+    # Bytes by which the budget was raised where no plan meets it (layouts.within_reach).
+    raised: int = 0
+
+    @property
+    def reached(self) -> bool:
+        """Whether the plan meets the target everywhere, in the planner's model."""
+        return self.feasible and self.raised == 0
 
     @property
     def feasible(self) -> bool:
@@ -97,14 +110,14 @@ class RoundPlanner:
     def __init__(
         self,
         options: Options,
-        budget: int | None,
+        target: PeakTarget | None,
         device: torch.device,
         blocks: BlockFacts,
         num_fwd_outputs: int,
         requests: Set[str],
         assumed: dict[str, dict[str, Any]],
     ) -> None:
-        self.options, self.budget, self.device = options, budget, device
+        self.options, self.target, self.device = options, target, device
         self.blocks, self.num_fwd_outputs, self.requests = blocks, num_fwd_outputs, requests
         # What copies cost (graph.costs.assumptions): the plan records these very figures.
         # Copies are planned as taking 1 + copy_margin times the link's figures, so that one
@@ -114,30 +127,18 @@ class RoundPlanner:
         self.copy_overhead_ms = float(assumed["copy_overhead_ms"]["value"])
         self.link_overhead_ms = float(assumed.get("link_overhead_ms", {}).get("value", 0.0)) * slower
 
-    def decide(
-        self,
-        part: Partition,
-        *,
-        search_blocks: bool = False,
-        allow_recompute: bool = True,
-        keep_first: bool = False,
-        stuck: Set[str] = frozenset(),
-    ) -> RoundDecision | None:
-        """Decide ``part``; ``None`` when there is nothing to decide (no budget, nothing forced).
-
-        ``search_blocks``: may recompute more blocks. ``allow_recompute``: may rebuild single
-        ops (only while another partition can carry it out). ``keep_first``: take a plan that
-        keeps or offloads only when one meets the budget, so a round that follows a recompute
-        does not ask for another. ``stuck``: tensors min-cut would not rebuild when asked.
-        """
-        opts, budget = self.options, self.budget
+    def problem(self, part: Partition, live: StepLiveness | None, *, allow_recompute: bool = True,
+                stuck: Set[str] = frozenset()) -> tuple[Problem, dict[str, float], list[StorageGroup],
+                                                         dict[str, str], list[float]]:
+        """The solver's problem for ``part`` in the step (``live``: the partition's own live
+        bytes at every position), the FLOPs to rebuild each tensor, the storages, why each
+        forced one is forced, and the forward's node costs."""
+        opts = self.options
         offloadable = {
             a.name for a in offload_candidates(part.saved, part.fw, self.num_fwd_outputs, opts)
         }
         storages = group_by_storage(part.saved)
         forced, forced_why = forced_offloads(storages, offloadable, self.requests, opts)
-        if budget is None and not forced:
-            return None
         fw_ms = step_costs(part.fw, opts.cost_model, self.device)
         bw_ms = step_costs(part.bw, opts.cost_model, self.device)
         problem, flops = build_problem(
@@ -148,7 +149,7 @@ class RoundPlanner:
             self.bytes_per_ms,
             offloadable=offloadable,
             forced=forced,
-            allow_recompute=budget is not None and allow_recompute,
+            allow_recompute=allow_recompute,
             cost_model=opts.cost_model,
             device=self.device,
             not_recomputable=stuck,
@@ -164,9 +165,57 @@ class RoundPlanner:
             c = problem.candidates
             ids = copy_buckets(storages, part.fw, self.blocks.block_of, c.can_offload)
             problem = Problem(problem.timeline, dataclasses.replace(c, bucket=ids))
+        return problem, flops, storages, forced_why, fw_ms
+
+    def plan_range(self, part: Partition, live: StepLiveness, *, search_blocks: bool
+                   ) -> tuple[int, int]:
+        """``(plain, floor)``: the own step peak of ``part`` keeping every saved tensor, and
+        the lowest the planner reaches on it (the block layouts it may search included), in
+        the planner's model."""
+        problem, _, storages, _, fw_ms = self.problem(part, live)
+        problem, _ = in_the_step(problem, live.forward, live.backward, None)
+        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if search_blocks else None
+        plain = max(simulate(problem, ["keep"] * len(problem)).resident, default=0)
+        return plain, lowest_peak(problem, facts, self.options.prefetch)
+
+    def decide(
+        self,
+        part: Partition,
+        live: StepLiveness | None = None,
+        *,
+        search_blocks: bool = False,
+        allow_recompute: bool = True,
+        keep_first: bool = False,
+        stuck: Set[str] = frozenset(),
+    ) -> RoundDecision | None:
+        """Decide ``part``; ``None`` when there is nothing to decide (no budget, nothing forced).
+
+        ``search_blocks``: may recompute more blocks. ``allow_recompute``: may rebuild single
+        ops (only while another partition can carry it out). ``keep_first``: take a plan that
+        keeps or offloads only when one meets the budget, so a round that follows a recompute
+        does not ask for another. ``stuck``: tensors min-cut would not rebuild when asked.
+        """
+        opts, target = self.options, self.target
+        problem, flops, storages, forced_why, fw_ms = self.problem(
+            part, live, allow_recompute=target is not None and allow_recompute, stuck=stuck)
+        forced = problem.candidates.forced is not None and any(problem.candidates.forced)
+        if target is None and not forced:
+            return None
+        budget: int | None = None
+        own: list[int] = []
+        if target is not None:
+            assert live is not None, "a step target needs the partition's live bytes"
+            own = list(in_the_step(problem, live.forward, live.backward, None)[0].timeline.fixed_resident or [])
+            problem, budget = in_the_step(problem, live.forward, live.backward, target)
         # Blocks, like single ops, only while another partition can carry them out.
         recompute = search_blocks and allow_recompute and budget is not None
         facts = block_facts(self.blocks, part.fw, storages, fw_ms) if recompute else None
+        raised = 0
+        offsets: tuple[int, ...] = ()
+        if budget is not None:
+            problem, budget, raised = within_reach(problem, budget, facts, opts.prefetch)
+            fixed = problem.timeline.fixed_resident or [0] * problem.timeline.num_positions
+            offsets = tuple(f - o for f, o in zip(fixed, own, strict=True))
         pick = None
         if keep_first and budget is not None:
             c = problem.candidates
@@ -176,6 +225,7 @@ class RoundPlanner:
         if pick is None:
             pick = choose(problem, facts, budget, opts.prefetch)
         decision = _decision(pick, storages, flops, forced_why, budget)
+        decision = dataclasses.replace(decision, offsets=offsets, raised=raised)
         pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
         return _host_tiers(decision, opts, budget, allow_recompute=allow_recompute, pinned=pinned)
 
@@ -292,9 +342,7 @@ def infeasible(
 
     Every hint names an option the user set: the planner already relaxed the defaults.
     """
-    # Under device_budget alone, the bytes are what it leaves the saved activations.
-    option = "device_budget" if options.device_budget is not None and options.memory_budget is None else "memory_budget"
-    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes, option=option)
+    error = BudgetError(graph_name, budget, smallest, hints(options, pool_capped), sizes)
     if options.on_infeasible == "raise":
         raise error
     warnings.warn(f"{error.summary} Running the smallest plan instead.", stacklevel=3)
@@ -315,11 +363,17 @@ def hints(options: Options, pool_capped: bool = False) -> list[str]:
 
 
 def timeline(problem: Problem, resident: list[int], budget: int | None, added_ms: float = 0.0,
-             points: int = 1200) -> dict[str, Any]:
-    """Resident bytes over the step, max-pooled to at most ``points`` points, for reports;
-    ``added_ms``: what the solution's copies add to the step (its ``cost_ms``)."""
+             points: int = 1200, offsets: Sequence[int] = ()) -> dict[str, Any]:
+    """The graph's own live bytes over the step, max-pooled to at most ``points`` points, for
+    reports; ``added_ms``: what the solution's copies add to the step (its ``cost_ms``);
+    ``offsets``: what each position carries besides the graph's own bytes (taken off again
+    here; ``budget`` is then the target's largest limit)."""
     keep_all = simulate(problem, ["keep"] * len(problem.candidates)).resident
     F, T = problem.timeline.num_forward, len(resident)
+    if offsets:
+        keep_all = [b - o for b, o in zip(keep_all, offsets, strict=True)]
+        resident = [b - o for b, o in zip(resident, offsets, strict=True)]
+        budget = None if budget is None else budget - min(offsets)
     step_ = max(1, math.ceil(T / points))
     pool = lambda xs: [max(xs[i : i + step_]) for i in range(0, T, step_)]  # noqa: E731
     compute_ms = float(sum(problem.timeline.step_ms))

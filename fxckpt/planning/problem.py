@@ -6,6 +6,7 @@ together, since evicting one view of a storage another view keeps frees nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
 from fxckpt.graph.sizes import bound_symbols, restorable
 from fxckpt.options import Options
-from fxckpt.planning.memory import Candidates, Problem, Timeline
+from fxckpt.planning.account import PeakTarget
+from fxckpt.planning.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
 from fxckpt.units import format_bytes
@@ -133,6 +135,40 @@ def build_problem(
     )
     assert T == timeline.num_positions
     return Problem(timeline, candidates), flops
+
+
+def in_the_step(problem: Problem, forward_live: Sequence[int], backward_live: Sequence[int],
+                target: PeakTarget | None) -> tuple[Problem, int]:
+    """``problem`` with every byte of the step at each position, and the one budget that holds
+    ``target``'s two limits.
+
+    The simulator counts the candidates; ``forward_live`` / ``backward_live`` are everything
+    the partition has live at each of its forward's and backward's positions, the candidates
+    (kept) included. What they hold besides the kept candidates (the forward's working set,
+    the tangents, gradients, temporaries, what min-cut rebuilds) becomes the timeline's fixed
+    bytes, so the simulated resident bytes are the graph's own live bytes under any choices.
+    A target's limits differ by position (its forward's and its backward's; at the forward's
+    end, what it may keep for the backward beside its outputs): the largest is the budget, and
+    every other position carries the difference as fixed bytes too. Without a target the
+    budget is 0 and nothing is added."""
+    tl, c = problem.timeline, problem.candidates
+    F, T = tl.num_forward, tl.num_positions
+    if len(forward_live) != F or len(forward_live) + len(backward_live) != T:
+        raise ValueError(f"live bytes for {len(forward_live)} + {len(backward_live)} positions, "
+                         f"the problem has {F} + {T - F}")
+    kept = simulate(Problem(dataclasses.replace(tl, fixed_resident=None), c),
+                    ["keep"] * len(c)).resident
+    live = [*forward_live, *backward_live]
+    base = list(tl.fixed_resident) if tl.fixed_resident is not None else [0] * T
+    other = [b + max(0, v - k) for b, v, k in zip(base, live, kept, strict=True)]
+    if target is None:
+        return Problem(dataclasses.replace(tl, fixed_resident=other), c), 0
+    limit = [target.forward] * F + [target.backward] * (T - F)
+    if target.held is not None and F > 0:  # what the forward's end keeps beside its outputs
+        limit[F - 1] = min(limit[F - 1], target.held + other[F - 1])
+    budget = max(limit, default=0)
+    fixed = [o + budget - cap for o, cap in zip(other, limit, strict=True)]
+    return Problem(dataclasses.replace(tl, fixed_resident=fixed), c), budget
 
 
 def copy_buckets(

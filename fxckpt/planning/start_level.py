@@ -1,0 +1,142 @@
+"""What the device holds when a step starts: the start level ``memory_budget`` counts.
+
+On a GPU it is the allocator's figure when a step's first forward begins
+(``torch.cuda.memory_allocated``): parameters, optimizer state, inputs, anything else kept
+there. The CPU keeps no such counter, so there it is what the step is given: the storages of
+the parameters, buffers and inputs its graphs take, the parameters and buffers of the module
+``torch.compile`` wraps (eager code between graphs uses some of them), their gradients, and
+the state of any optimizer handed to :func:`watch`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxckpt import _torch_compat as compat
+
+
+class StartLevel:
+    """What the device holds when a step starts: the allocator's figure on a GPU; on the CPU
+    the storages of what the step is given (module docstring)."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.leaves: list[weakref.ref[torch.Tensor]] = []  # parameters
+        self.batch: dict[object, int] = {}  # per graph: bytes of its other inputs (buffers, batch)
+
+    def take(self, key: object, example_inputs: Sequence[Any]) -> None:
+        """Note what a graph is given (its real example inputs, at its compile), and the
+        parameters of the module ``torch.compile`` wraps, where one is being called: eager
+        code (a loss that dynamo leaves out of every graph) uses some of them."""
+        module = _compiling_module()
+        if isinstance(module, torch.nn.Module) and not self.leaves:
+            self.leaves += [weakref.ref(t) for t in module.parameters()]
+            self.leaves += [weakref.ref(t) for t in module.buffers()]
+        batch = 0
+        for t in example_inputs:
+            if not isinstance(t, torch.Tensor) or t.grad_fn is not None:
+                continue
+            if t.device.type not in ("cpu", "meta"):
+                self.device = t.device
+            if t.requires_grad or any(r() is t for r in self.leaves):  # the same every step
+                self.leaves.append(weakref.ref(t))
+            else:
+                batch += storage_bytes(t)
+        self.batch[key] = batch
+
+    def measure(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.given()
+
+    def given(self) -> int:
+        """The CPU's figure (any device: what the step is given, as the CPU counts it)."""
+        seen: dict[int, int] = {}
+        alive = [t for ref in self.leaves if (t := ref()) is not None]
+        self.leaves = [weakref.ref(t) for t in alive]
+        for t in [*alive, *(t.grad for t in alive if t.grad is not None), *watched_state()]:
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        return sum(seen.values()) + sum(self.batch.values())
+
+
+def _compiling_module() -> Any:
+    """The module whose ``torch.compile`` wrapper this thread is calling now (found in the
+    Python frames out from here, at compile time only), or None for a compiled function."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        found = compat.compiled_module_of(frame.f_locals.get("self"))
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return 0
+
+
+def alive(refs: Sequence[weakref.ref[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for r in refs if (t := r()) is not None]
+
+
+def new_gradients(example_inputs: Sequence[Any]) -> int:
+    """Bytes of the ``.grad`` tensors a graph's backward creates: its leaf inputs that require
+    a gradient and have none yet (an existing one is accumulated into, in the start level)."""
+    seen: dict[int, int] = {}
+    for t in example_inputs:
+        if (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
+                and t.grad is None and t.device.type != "meta"):
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def watch(*objects: Any) -> Any:
+    """Count each module's parameters and buffers and each optimizer's parameters and state in
+    the start level of the steps that follow; returns the first object given.
+
+    On a GPU the allocator already counts all of it (this changes nothing there). On the CPU
+    the start level is what the step is given, and a graph sees only the parameters it takes:
+    not those that eager code uses (a loss after a graph break that dynamo runs eagerly), nor
+    an optimizer's state (AdamW's two moments, from its first ``step()`` on).
+    ``fxckpt.watch(model, optimizer)`` makes a plan see them, and see the state grow.
+    """
+    if not objects:
+        raise TypeError("fxckpt.watch takes modules and optimizers, got nothing")
+    for obj in objects:
+        if not isinstance(obj, torch.nn.Module) and not hasattr(obj, "param_groups"):
+            raise TypeError("fxckpt.watch takes torch.nn.Module and torch.optim.Optimizer "
+                            f"objects, got {type(obj).__name__}")
+        _watched.add(obj)
+    return objects[0]
+
+
+def watched_state() -> list[torch.Tensor]:
+    """The tensors of every watched module (parameters, buffers) and optimizer (parameters,
+    state)."""
+    out: list[torch.Tensor] = []
+    for obj in list(_watched):
+        if isinstance(obj, torch.nn.Module):
+            out += [*obj.parameters(), *obj.buffers()]
+            out += [p.grad for p in obj.parameters() if p.grad is not None]
+            continue
+        for group in obj.param_groups:
+            params = [p for p in group["params"] if isinstance(p, torch.Tensor)]
+            out += params + [p.grad for p in params if p.grad is not None]
+        for state in obj.state.values():
+            out += [v for v in pytree.tree_leaves(state) if isinstance(v, torch.Tensor)]
+    return out

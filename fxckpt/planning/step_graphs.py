@@ -1,0 +1,202 @@
+"""One graph of a step's account, and the ticket one compile of it plans under.
+
+:class:`Graph` holds what :mod:`fxckpt.planning.step_budget` knows of a graph: what it takes,
+what its plan holds, and how to plan it again. A :class:`Ticket` is handed to the partitioner
+while the graph compiles: it gives the graph its target and takes the plan's figures back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxckpt.planning.account import GraphFigures, PeakTarget, compose
+from fxckpt.units import format_bytes
+
+if TYPE_CHECKING:
+    from fxckpt.planning.step_budget import StepBudget
+
+
+@dataclasses.dataclass
+class Graph:
+    """One graph of the step: what it takes, what its plan holds, and how to plan it again."""
+
+    name: str
+    frame: str = ""  # dynamo's id for the compile, for a graph that never planned (no name)
+    gradients: int = 0  # parameter gradients its backward creates
+    params: list[weakref.ref[torch.Tensor]] = dataclasses.field(default_factory=list)
+    inputs: int = 0  # earlier graphs' outputs it takes
+    saved_inputs: int = 0  # of those, the bytes its forward saves
+    forward_peak: int = 0
+    backward_peak: int = 0
+    held: int = 0
+    target: PeakTarget | None = None  # what its current plan was made for
+    over: int = 0  # bytes its plan holds over that target (at its lowest plan)
+    lowest: bool = False  # its plan is the smallest the planner reaches for its target
+    known: bool = False  # planned in this process, or its plan reported by its first run
+    sizes: str = ""
+    pool_capped: bool = False
+    payload: str = ""  # its plan, for Inductor's own figures
+    fraction: tuple[int, int] | None = None  # a fraction's (plain, floor), the own figures
+    recompile: Callable[[PeakTarget], None] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.frame or "a graph"
+
+    def figures(self) -> GraphFigures:
+        return GraphFigures(self.forward_peak, self.backward_peak, self.held, self.gradients,
+                            self.inputs, self.saved_inputs)
+
+
+def no_tighter(a: PeakTarget, b: PeakTarget) -> bool:
+    """Whether target ``a`` asks nothing that ``b`` did not already ask."""
+    held_a = a.held if a.held is not None else 1 << 62
+    held_b = b.held if b.held is not None else 1 << 62
+    return a.forward >= b.forward and a.backward >= b.backward and held_a >= held_b
+
+
+def scheduled_figures(graphs: Any, scheduled: Callable[[str], tuple[int, int] | None]) -> bool:
+    """Take the compiler's own schedule peaks (Inductor's, known after a graph's first
+    backward) into the graphs' figures where they exceed the liveness figures; whether any
+    changed."""
+    changed = False
+    for g in graphs:
+        if not g.payload:
+            continue
+        parts = scheduled(g.payload)
+        if parts is None:
+            continue
+        fw, bw = parts
+        if fw > g.forward_peak or bw > g.backward_peak:
+            g.forward_peak, g.backward_peak = max(fw, g.forward_peak), max(bw, g.backward_peak)
+            changed = True
+            if g.target is not None and not g.target.met_by(g.forward_peak, g.backward_peak, g.held):
+                g.over = g.target.over_by(g.forward_peak, g.backward_peak, g.held)
+    return changed
+
+
+def scheduled_margin(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]) -> int:
+    """What the compiler's schedule held over the plan's liveness figure: a re-plan aims that
+    much lower, so that the schedule of the new plan fits."""
+    if not g.payload:
+        return 0
+    try:
+        plan = json.loads(g.payload)
+    except ValueError:
+        return 0
+    parts = scheduled(g.payload)
+    if parts is None:
+        return 0
+    fw = int(plan.get("forward_peak_bytes") or 0)
+    bw = int(plan.get("backward_peak_bytes") or 0)
+    return max(0, parts[0] - fw, parts[1] - bw)
+
+
+class Ticket:
+    """One compile of one graph of the step: gives its target, takes its figures."""
+
+    def __init__(self, step: StepBudget, key: object, name: str | None,
+                 fixed: PeakTarget | None) -> None:
+        self.step, self.key, self.name, self.fixed = step, key, name, fixed
+        self.produced: list[tuple[int, tuple[int, ...]]] = []  # (input index, shape)
+
+    @property
+    def entry(self) -> Graph:
+        return self.step.graphs[self.key]
+
+    @property
+    def budget(self) -> int | None:
+        return self.step.budget
+
+    @property
+    def saved_inputs(self) -> int:
+        return self.entry.saved_inputs
+
+    def cache_token(self) -> str:
+        """What the plan depends on besides the graph and the options (compile-cache keys)."""
+        if self.fixed is not None:
+            return f"step-fixed-{self.fixed.forward}-{self.fixed.backward}"
+        keys, figures = self.step.sequence()
+        before = sum(f.held + f.saved_inputs for f in figures)
+        return f"step-{self.step.budget}-{self.step.start_bytes}-{before}"
+
+    def target(self, budget: int, graph_name: str, saved_inputs: int) -> PeakTarget:
+        """The graph's target: its fixed one (a re-plan), else what the budget leaves it."""
+        entry = self.entry
+        entry.name = self.name = self.name or graph_name
+        entry.saved_inputs = saved_inputs
+        if self.fixed is not None:
+            entry.target = self.fixed
+        else:
+            own = GraphFigures(0, 0, 0, entry.gradients, entry.inputs, saved_inputs)
+            entry.target = self.step.target(self.key, own)
+        return entry.target
+
+    def fraction_target(self, target: PeakTarget, plain: int, floor: int) -> None:
+        """A fraction's target, from the graph's own range of plans."""
+        self.entry.target, self.entry.fraction = target, (plain, floor)
+
+    def account(self, forward_peak: int, backward_peak: int, held: int) -> dict[str, int]:
+        """The step's predicted account with this graph's figures: total and parts."""
+        e = self.entry
+        own = GraphFigures(forward_peak, backward_peak, held, e.gradients, e.inputs,
+                           e.saved_inputs)
+        keys, figures = self.step.sequence()
+        runs = [own if k == self.key else f
+                for k, f in zip([k for k in keys if k in self.step.graphs], figures, strict=True)]
+        if self.key not in keys:
+            runs.append(own)
+        return compose(self.step.start_bytes, runs).parts()
+
+    def planned(self, forward_peak: int, backward_peak: int, held: int, *, over: int,
+                lowest: bool = True, sizes: str = "", pool_capped: bool = False,
+                payload: str = "") -> None:
+        """The kept plan's figures; ``over``: bytes over its target (its lowest plan)."""
+        e = self.entry
+        e.forward_peak, e.backward_peak, e.held = forward_peak, backward_peak, held
+        e.over, e.lowest, e.known = over, over > 0 and lowest, True
+        e.sizes, e.pool_capped = sizes, pool_capped and over > 0
+        e.payload = payload or e.payload
+
+    def reported(self, payload: str) -> None:
+        """The plan a graph's first run reports: where a warm compile cache served the graph,
+        no partition ran in this process, and this is how the step learns what it holds."""
+        entry = self.step.graphs.get(self.key)
+        if entry is None:
+            return
+        entry.payload = payload
+        if entry.known:
+            return
+        plan = json.loads(payload)
+        entry.name = entry.name or str(plan.get("name") or "")
+        entry.saved_inputs = int(plan.get("step_inputs_bytes") or 0)
+        entry.forward_peak = int(plan.get("forward_peak_bytes") or 0)
+        entry.backward_peak = int(plan.get("backward_peak_bytes") or 0)
+        entry.held = int(plan.get("held_bytes") or 0)
+        if (t := plan.get("target")) is not None:
+            held = t.get("held_bytes")
+            entry.target = PeakTarget(int(t["forward_bytes"]), int(t["backward_bytes"]),
+                                      None if held is None else int(held))
+            entry.over = entry.target.over_by(entry.forward_peak, entry.backward_peak, entry.held)
+        entry.known = True
+
+    def notes(self) -> list[str]:
+        e, step = self.entry, self.step
+        if e.target is None:
+            return []
+        if self.fixed is not None:
+            return [f"step budget: planned again for the step: forward within "
+                    f"{format_bytes(e.target.forward)}, backward within "
+                    f"{format_bytes(e.target.backward)}"]
+        keys, figures = step.sequence()
+        before = sum(f.held + f.saved_inputs for f in figures)
+        return [f"step budget: {format_bytes(step.budget or 0)} for the step; it starts at "
+                f"{format_bytes(step.start_bytes)}, the {len(figures)} run(s) before this graph "
+                f"hold {format_bytes(before)}: forward within {format_bytes(e.target.forward)}, "
+                f"backward within {format_bytes(e.target.backward)}"]
