@@ -15,12 +15,14 @@ __version__ = "0.1.0"
 # ``fxckpt.backend`` and ``fxckpt.inspect`` are modules that are also their function: called,
 # they build a backend and plan offline (fxckpt/_modules.py).
 from fxckpt import _torch_compat, backend, inspect
+from fxckpt._capacity import emulate_device_memory
 from fxckpt.emulation import EmulatedLink, emulate_link
 from fxckpt.errors import BudgetError, FxckptError, OptionsError, RuntimeCopyError
 from fxckpt.integrations import register_with_accelerate
 from fxckpt.meter import Measurement, Meter, measure
 from fxckpt.options import Options
 from fxckpt.planning.plan import Keep, Offload, Plan, PlannedActivation, Recompute
+from fxckpt.planning.start_level import watch
 from fxckpt.runtime import ops as _ops  # noqa: F401  (registers the fxckpt:: ops)
 from fxckpt.runtime import stats as _stats
 from fxckpt.runtime import weight_ops as _weight_ops  # noqa: F401  (and those of streamed weights)
@@ -71,6 +73,7 @@ __all__ = [
     "StreamedWeights",
     "__version__",
     "backend",
+    "emulate_device_memory",
     "emulate_link",
     "inspect",
     "last_plans",
@@ -79,4 +82,5 @@ __all__ = [
     "reset_stats",
     "stats",
     "stream_weights",
+    "watch",
 ]

@@ -112,7 +112,12 @@ class Ticket:
 
     @property
     def budget(self) -> int | None:
-        return self.step.budget
+        """The step's budget in bytes; for a fraction, what this graph's target makes of it
+        with the start level (``None`` before the fraction is resolved, or with no budget)."""
+        budget = self.step.budget
+        if budget is None and self.entry.fraction is not None and self.entry.target is not None:
+            return self.step.start_bytes + self.entry.target.largest
+        return budget
 
     @property
     def saved_inputs(self) -> int:

@@ -80,9 +80,15 @@ _meter_base: dict[copy_meter.CopyMeter, copy_meter.CopyTotals] = {}
 
 
 class BudgetOverrunWarning(UserWarning):
-    """A forward left more bytes on the device than its budget allows: planned-kept bytes over
-    a byte budget (sizes the plan was not made for), or, measured on a graph's first training
-    step, saved tensors its plan does not count."""
+    """Under a memory budget, a forward left more on the device for its backward than its plan
+    counts (the step's budget was planned with the plan's figure): its kept tensors at sizes
+    the plan was not made for, or, measured on a graph's first training step, saved tensors
+    its plan does not count."""
+
+
+# Bytes a forward may keep over its plan's figure before it is called an overrun: the
+# allocator's rounding and a few small tensors the plan does not see (generator states).
+OVERRUN_SLACK = 4096
 
 
 @dataclass
@@ -113,7 +119,7 @@ class _PlanFacts:
     name: str
     budget_bytes: int | None
     planned_peak_bytes: int | None
-    byte_budget: bool  # a budget in bytes, the same at every size (not a fraction)
+    planned_held_bytes: int | None  # what the plan's forward leaves for its backward
 
 
 _graphs: dict[str, GraphFigures] = {}
@@ -177,12 +183,12 @@ def _plan_facts(payload: str) -> _PlanFacts:
         plan = {}
     if not isinstance(plan, dict):
         plan = {}
-    spec = (plan.get("options") or {}).get("memory_budget")
+    held = plan.get("held_bytes")
     facts = _PlanFacts(
         name=str(plan.get("name") or payload or "unnamed graph"),
         budget_bytes=plan.get("budget_bytes"),
         planned_peak_bytes=plan.get("resident_peak_bytes"),
-        byte_budget=isinstance(spec, int) or spec == "auto",
+        planned_held_bytes=held if isinstance(held, int) and plan.get("target") else None,
     )
     _facts[payload] = facts
     return facts
@@ -199,13 +205,13 @@ def _figures(facts: _PlanFacts) -> GraphFigures:
 
 
 def _first_overrun(facts: _PlanFacts, nbytes: int, warned: set[str]) -> bool:
-    """Whether ``nbytes`` on the device breaks a budget the plan met, and it is the first time
-    for this graph (noted in ``warned``; under ``_lock``). Only where the plan met the budget:
-    a plan that could not (on_infeasible="warn") was already reported at compile time."""
+    """Whether ``nbytes`` left for the backward is over what the plan counts (the figure the
+    step's budget was planned with), and it is the first time for this graph (noted in
+    ``warned``; under ``_lock``). Only under a budget."""
+    planned = facts.planned_held_bytes
     over = (
-        facts.budget_bytes is not None
-        and facts.planned_peak_bytes is not None
-        and facts.planned_peak_bytes <= facts.budget_bytes < nbytes
+        planned is not None
+        and nbytes > planned + max(OVERRUN_SLACK, planned // 100)
         and facts.name not in warned
     )
     if over:
@@ -235,15 +241,16 @@ def note_forward(
         fig.planned_kept_bytes = kept_bytes
         fig.offloaded_bytes = offloaded
         fig.fallback_bytes = fallback
-        over = facts.byte_budget and _first_overrun(facts, kept_bytes, _warned_overrun)
+        over = _first_overrun(facts, kept_bytes, _warned_overrun)
     if over:
         # Sizes the plan was not made for (a dynamic shape the compile-time guard could not
         # cover) keep more than the budget: say so with the figures instead of running over
         # in silence.
         warnings.warn(
             f"fxckpt[{facts.name}]: this forward kept {kept_bytes} bytes of saved tensors on "
-            f"the device, over memory_budget={facts.budget_bytes} bytes (largest kept tensor "
-            f"of shape {largest_shape}). The plan was made for smaller sizes; mark the dynamic "
+            f"the device, over the {facts.planned_held_bytes} bytes its plan counts for "
+            f"memory_budget={facts.budget_bytes} bytes (largest kept tensor of shape "
+            f"{largest_shape}). The plan was made for smaller sizes; mark the dynamic "
             "dimension with dynamo's mark_dynamic(t, dim, max=...) so that fxckpt plans for "
             "the longest length (docs/limitations.md). (Warned once per graph.)",
             BudgetOverrunWarning,
@@ -281,7 +288,8 @@ def held_measured(
         warnings.warn(
             f"fxckpt[{facts.name}]: its first training step held {held_bytes} bytes for the "
             f"backward (measured on the tensors autograd saved, graph inputs left out), over "
-            f"memory_budget={facts.budget_bytes} bytes; the plan keeps {kept} bytes. "
+            f"the {facts.planned_held_bytes} bytes its plan counts for memory_budget="
+            f"{facts.budget_bytes} bytes; the plan keeps {kept} bytes. "
             f"{len(unplanned)} saved tensors ({extra} bytes) are not in the plan, largest: "
             f"{_figure_list(unplanned)}. The compiler saved them after fxckpt planned (a "
             "layout or padding change, say): lower memory_budget by that much to hold the "
