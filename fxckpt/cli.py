@@ -33,7 +33,6 @@ _FLAG_TO_OPTION = {
     "offload_dir_bandwidth": "offload_dir_bandwidth",
     "cost_model": "cost_model",
     "blocks": "blocks",
-    "device_budget": "device_budget",
 }
 
 
@@ -65,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
     opts = p.add_argument_group("options (as fxckpt.Options)")
     opts.add_argument("--budget", metavar="B",
-                      help='memory_budget: "24GiB", bytes, a fraction such as 0.5, or none')  # fmt: skip
+                      help='memory_budget: the step\'s device peak, weights included: "24GiB", '
+                           'bytes, a fraction such as 0.5 (from the lowest plan to plain '
+                           'torch.compile), or none')  # fmt: skip
     opts.add_argument("--stride", metavar="N", help="segment_stride (0: no segments)")
     opts.add_argument("--width", metavar="N", help="segment_width (default: the stride)")
     opts.add_argument("--offload", metavar="MODE", help="auto, never or all")
@@ -79,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "budget cannot hold go to disk")  # fmt: skip
     opts.add_argument("--cost-model", metavar="M", help="flops, profile or unit")
     opts.add_argument("--blocks", metavar="REGEX", help="module paths of the repeated blocks")
-    opts.add_argument("--device-budget", metavar="B",
-                      help="device_budget: saved activations and streamed weights, e.g. 24GiB")
     weights = p.add_argument_group("streamed weights (as fxckpt.stream_weights)")
     weights.add_argument("--stream-weights", metavar="REGEX", nargs="?", const="",
                          help="keep weights in host memory: those of modules matching REGEX "
@@ -122,8 +121,7 @@ def _int_or_text(text: str) -> Any:
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Options fields the flags set, converted as the Python API would receive them."""
     convert = {"budget": budget_value, "stride": _int_or_text, "width": _int_or_text,
-               "min_offload": _int_or_text, "host_budget": budget_value,
-               "device_budget": budget_value}  # fmt: skip
+               "min_offload": _int_or_text, "host_budget": budget_value}  # fmt: skip
     out: dict[str, Any] = {}
     for flag, option in _FLAG_TO_OPTION.items():
         value = getattr(args, flag)

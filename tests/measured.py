@@ -40,3 +40,18 @@ def measure_step(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.Mea
         _loss(_call(compiled, inputs)).backward()
     gc.collect()
     return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward())
+
+
+def measure_absolute_step(compiled: Any, model: Any, inputs: Any, *, warm: int = 2
+                          ) -> fxckpt.Measurement:
+    """One whole training step of ``compiled`` (the compiled ``model``) as ``memory_budget``
+    counts it, after ``warm`` warm-up steps: every gradient is dropped first, so the
+    ``absolute_peak_bytes`` is what the device held when the step began (the parameters,
+    buffers and ``inputs``) plus the most the step allocated over its forward and backward."""
+    for _ in range(warm):
+        model.zero_grad(set_to_none=True)
+        _loss(_call(compiled, inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward(),
+                          holding=(model, inputs))

@@ -172,7 +172,7 @@ def _weight_copies(ctx: Context) -> None:
         live = ctx.live_of(ctx.fw, ctx.bw)
         room = min(ctx.target.forward - live.forward_peak, ctx.target.backward - live.backward_peak)
     ctx.fw, ctx.bw, ctx.plan.weights, note = place_weights(
-        ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room)
+        ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room, ctx.graph_name)
     ctx.plan.notes.append(note)
     if (est := step_estimate(ctx.plan)) is not None:
         ctx.plan.notes.append(f"weight copies: {est.forward_ms:.1f} ms on the host-to-device queue "

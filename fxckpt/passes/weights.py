@@ -6,9 +6,10 @@ The steps:
   the views of its output must be recomputed, so no partition ever saves a weight's device
   copy for the backward; the backward streams the weight again from its host parameter (which
   the backward holds anyway: a parameter costs no new memory).
-- :func:`plan_weights`, after the activations' plan: under ``device_budget``, the room the
-  saved activations and the streamed copies leave holds weights whose device copy the plan
-  keeps across steps (``resident``); every other weight streams. One row per weight.
+- :func:`plan_weights`, after the activations' plan: under ``memory_budget``, the room the
+  graph's target leaves beside its own peak (streamed copies in flight included) holds weights
+  whose device copy the plan keeps across steps (``resident``); every other weight streams.
+  One row per weight.
 - :func:`schedule_streams`, on the forward and the backward after the partition: a resident
   weight's ``stream_in`` becomes ``fxckpt::resident_weight``; every other ``stream_in`` becomes a ``fxckpt::weight_prefetch`` issued ahead of the use and the
   activations' ``fxckpt::wait`` at the use. A prefetch is issued right after the wait of an
@@ -28,7 +29,6 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxckpt.errors import OptionsError
 from fxckpt.graph import meta
 from fxckpt.graph.blocks import node_module
 from fxckpt.graph.sizes import numel_bytes
@@ -72,48 +72,16 @@ def largest_streamed(joint: fx.GraphModule) -> int:
     return max(sizes, default=0)
 
 
-def activation_room(joint: fx.GraphModule, total: object, graph_name: str, *, short: bool = False
-                    ) -> tuple[int, int | None]:
-    """What ``device_budget`` (``total`` bytes) leaves the saved activations of ``joint``
-    beside its streamed weights' copies, and the prefetch lead for :func:`schedule_streams`
-    (``None``: the default).
-
-    By default a weight's copy may run two largest weights ahead of its use: the copies take up
-    to three times the largest streamed weight. A budget that leaves no room beside that is
-    served one weight ahead (twice the largest), with a warning, and so is one whose saved
-    activations could not fit beside three (``short``: the partition plans it again); only a
-    budget that cannot hold two is an error."""
-    assert isinstance(total, int)  # parsed to bytes by Options
-    largest = largest_streamed(joint)
-    if total > 3 * largest and not short:
-        return total - 3 * largest, None
-    if total > 2 * largest:
-        why = "leaves the saved activations too little beside" if short else "leaves no room beside"
-        warnings.warn(
-            f"fxckpt[{graph_name}]: device_budget={total} bytes {why} three of its largest "
-            f"streamed weight ({largest} bytes: the one in use, two on their way); each weight's "
-            "copy is issued one weight ahead of its use instead, and less of it hides behind "
-            "compute", stacklevel=2,
-        )  # fmt: skip
-        return total - 2 * largest, largest
-    raise OptionsError(
-        "device_budget", total,
-        f"more than {2 * largest} bytes for this graph: its streamed weights' copies take at "
-        f"least {2 * largest} (the largest streamed weight, {largest} bytes, in use and the "
-        "next on its way), and its saved activations need some too",
-        f"graph {graph_name}",
-    )  # fmt: skip
-
-
-def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_flight: int = 3
+def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_flight: int = 2
                  ) -> list[PlannedWeight]:
     """Where each streamed weight of the partitioned graphs lives: ``room`` (``None``: no
-    device budget) is what the device budget leaves after the saved activations' planned
-    peak. A weight is kept resident while its copy, the copies kept before it and the streamed
-    weights' copies (``in_flight`` times the largest still streamed) fit in it: the weights
-    used most often first (forward and backward before forward only), then the larger ones
-    (each saves that many bytes of copies per step), then the earlier in the forward (the
-    first copy of each pass has no compute to hide behind)."""
+    budget) is what the graph's target leaves beside its own planned peak, in which each
+    streamed weight's copy is counted at its use. A weight is kept resident while its copy,
+    the copies kept before it and the streamed copies on their way ahead of their uses
+    (``in_flight`` times the largest still streamed) fit in it: the weights used most often
+    first (forward and backward before forward only), then the larger ones (each saves that
+    many bytes of copies per step), then the earlier in the forward (the first copy of each
+    pass has no compute to hide behind)."""
     found: dict[str, dict] = {}
     for gm, side in ((fw, "forward"), (bw, "backward")):
         for node in gm.graph.find_nodes(op="call_function", target=STREAM_IN):
@@ -137,12 +105,12 @@ def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_fl
     for name in found:
         node, val = found[name]["node"], found[name]["node"].meta["val"]
         if name in streamed:
-            reason = ("no device_budget: streamed, as fxckpt.stream_weights chose" if room is None else
-                      f"streamed: the {max(room, 0)} bytes the device budget leaves after the saved "
-                      f"activations hold {kept} bytes of resident copies and the streamed ones in flight")  # fmt: skip
+            reason = ("no memory_budget: streamed, as fxckpt.stream_weights chose" if room is None else
+                      f"streamed: the {max(room, 0)} bytes the target leaves beside the plan's peak "
+                      f"hold {kept} bytes of resident copies and the streamed ones on their way")  # fmt: skip
         else:
-            reason = (f"resident: its copy fits in the {room} bytes the device budget leaves after "
-                      f"the saved activations; saves {sizes[name] * (found[name]['forward'] + found[name]['backward'])} "
+            reason = (f"resident: its copy fits in the {room} bytes the target leaves beside the "
+                      f"plan's peak; saves {sizes[name] * (found[name]['forward'] + found[name]['backward'])} "
                       "bytes of copies per step")  # fmt: skip
         rows.append(PlannedWeight(
             name=name, parameter=_parameter_path(node), shape=tuple(val.shape), dtype=str(val.dtype).removeprefix("torch."),
@@ -153,12 +121,25 @@ def plan_weights(fw: fx.GraphModule, bw: fx.GraphModule, room: int | None, in_fl
 
 
 def place_weights(fw: fx.GraphModule, bw: fx.GraphModule, profile: str | None, room: int | None,
-                  lead_bytes: int | None = None
-                  ) -> tuple[fx.GraphModule, fx.GraphModule, list[PlannedWeight], str]:
+                  graph_name: str = "") -> tuple[fx.GraphModule, fx.GraphModule, list[PlannedWeight], str]:
     """:func:`plan_weights`, then :func:`schedule_streams` on both graphs and
-    :func:`~fxckpt.passes.weight_grads.schedule_grads` on the backward (``lead_bytes``: from
-    :func:`activation_room`): the graphs, the plan's weight rows, and its note."""
-    rows = plan_weights(fw, bw, room, in_flight=3 if lead_bytes is None else 2)
+    :func:`~fxckpt.passes.weight_grads.schedule_grads` on the backward: the graphs, the plan's
+    weight rows, and its note.
+
+    By default a weight's copy is issued two largest weights ahead of its use (two copies on
+    their way beside the one in use). A ``room`` too small for that is served one weight
+    ahead, with a warning: the default lead is not the user's constraint."""
+    largest = max(largest_streamed(fw), largest_streamed(bw))
+    lead_bytes = None
+    if room is not None and room < 2 * largest:
+        lead_bytes = largest
+        warnings.warn(
+            f"fxckpt[{graph_name}]: memory_budget leaves no room for two streamed weights' "
+            f"copies on their way ({2 * largest} bytes) beside the plan's peak; each weight's "
+            "copy is issued one weight ahead of its use instead, and less of it hides behind "
+            "compute", stacklevel=2,
+        )  # fmt: skip
+    rows = plan_weights(fw, bw, room, in_flight=2 if lead_bytes is None else 1)
     resident = frozenset(w.name for w in rows if w.decision == "resident")
     fw = schedule_streams(fw, profile, lead_bytes, resident=resident)
     bw = schedule_grads(schedule_streams(bw, profile, lead_bytes, resident=resident), profile, lead_bytes)

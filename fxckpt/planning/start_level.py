@@ -61,9 +61,7 @@ class StartLevel:
         alive = [t for ref in self.leaves if (t := ref()) is not None]
         self.leaves = [weakref.ref(t) for t in alive]
         for t in [*alive, *(t.grad for t in alive if t.grad is not None), *watched_state()]:
-            if t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
+            storage = t.untyped_storage()  # meta tensors too: fxckpt inspect plans on them
             seen[storage.data_ptr() or id(storage)] = storage.nbytes()
         return sum(seen.values()) + sum(self.batch.values())
 
@@ -97,7 +95,7 @@ def new_gradients(example_inputs: Sequence[Any]) -> int:
     seen: dict[int, int] = {}
     for t in example_inputs:
         if (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
-                and t.grad is None and t.device.type != "meta"):
+                and t.grad is None):
             seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
