@@ -193,10 +193,12 @@ def compile_graph(
     from fxckpt.planning import step_budget
 
     if step_budget.applies(options):
+        from fxckpt.meter import Meter, held_on_device
         from fxckpt.passes.inductor_peak import step_peak_parts
 
-        step = step_budget.step_for(options, step_peak_parts if options.compiler == "inductor" else
-                                    lambda payload: None)
+        step = step_budget.step_for(
+            options, step_peak_parts if options.compiler == "inductor" else lambda payload: None,
+            held_on_device, None if offline else (lambda device: Meter(device, holding=())))
         return step.compile(
             step_budget.graph_key(), gm, example_inputs,
             lambda g, inputs: _compile_measured(g, inputs, options, mode, offline=offline),

@@ -16,6 +16,19 @@ from fxckpt.graph import meta
 if TYPE_CHECKING:
     import torch.fx
 
+# CUDA's caching allocator hands out blocks in multiples of 512 bytes, and its figures
+# (memory_allocated, max_memory_allocated) count the blocks; offline plans (the meta device)
+# are for a GPU. The CPU allocator's figures are the bytes asked for.
+_BLOCK = 512
+
+
+def allocated(nbytes: int, device: object) -> int:
+    """What an allocation of ``nbytes`` on ``device`` takes in the allocator's figures."""
+    if getattr(device, "type", "cpu") in ("cuda", "meta") and nbytes > 0:
+        return -(-nbytes // _BLOCK) * _BLOCK
+    return nbytes
+
+
 def _tensor_bytes(t: object) -> int:
     import torch
 
@@ -25,9 +38,10 @@ def _tensor_bytes(t: object) -> int:
         return 0
     # concrete(), not int(): int() on a symbolic size installs a guard on it.
     try:
-        return concrete(t.untyped_storage().nbytes())
+        nbytes = concrete(t.untyped_storage().nbytes())
     except Exception:  # sparse storages: the view's own extent
-        return numel_bytes(t)
+        nbytes = numel_bytes(t)
+    return allocated(nbytes, t.device)
 
 
 def span_bytes(v: object) -> int:
@@ -39,7 +53,7 @@ def span_bytes(v: object) -> int:
     if not isinstance(v, torch.Tensor) or concrete(v.numel()) == 0:
         return 0
     last = sum((concrete(n) - 1) * concrete(st) for n, st in zip(v.shape, v.stride(), strict=True))
-    return (last + 1) * v.element_size()
+    return allocated((last + 1) * v.element_size(), v.device)
 
 
 def storage_key(v: object) -> object | None:

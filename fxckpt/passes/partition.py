@@ -142,7 +142,15 @@ def partition(
                      *last.peaks, last.lowered + last.over)  # fmt: skip
             tries.append(once(clone_joint(spare), last.lowered + last.over))
         fits = [c for c in tries if c.over == 0]
-        ctx = fits[0] if fits else min(tries, key=lambda c: c.over)
+        if not fits and spare is not None and tries[-1].target is not None:
+            # No plan holds: the error names the smallest budget, so plan the lowest one
+            # (every target at its least) if no try was that already.
+            least = tries[-1].lowered + tries[-1].target.largest
+            tries.append(once(clone_joint(spare), least))
+            fits = [c for c in tries if c.over == 0]
+        first = tries[0].target
+        ctx = fits[0] if fits or first is None else min(
+            tries, key=lambda c: first.over_by(*c.peaks, c.held))
         report(ctx)
         assert ctx.plan is not None
         record(ctx.plan)

@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+# Bytes every target keeps free below the budget: what a step allocates that no graph's
+# liveness sees (a few bytes of the loss's seed gradient and of generator state on the CPU).
+HEADROOM = 4096
+
 
 @dataclass(frozen=True)
 class GraphFigures:
@@ -137,7 +141,9 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
     target comes from the bytes its forward keeps, ``h``: a plan of the graph holds about ``h``
     plus a working set beside it (``own``'s, else its figures in ``runs``: what its peaks hold
     over what it keeps; 0 when unknown), and ``h`` is the largest for which every run fits:
-    ``(k - 1) * h + h + working set <= what the rest of the step leaves``."""
+    ``(k - 1) * h + h + working set <= what the rest of the step leaves``. Every target
+    keeps :data:`HEADROOM` free."""
+    budget -= HEADROOM
     runs = list(runs)
     keys = list(keys)
     mine = [j for j, k in enumerate(keys) if k == key]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,12 @@ class StartLevel:
     """What the device holds when a step starts: the allocator's figure on a GPU; on the CPU
     the storages of what the step is given (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[Any, torch.device], int] | None = None) -> None:
+        # Bytes of the storages on the device that a collection of tensors reaches, each once
+        # (the meter's own count, fxckpt.meter.held_on_device, which leaves out fxckpt's host
+        # memory and adds the streamed weights' copies kept on the device); by default, every
+        # storage.
+        self.held = held or _storages
         self.device = torch.device("cpu")
         self.leaves: list[weakref.ref[torch.Tensor]] = []  # parameters
         self.batch: dict[object, int] = {}  # per graph: bytes of its other inputs (buffers, batch)
@@ -42,7 +47,7 @@ class StartLevel:
         for t in example_inputs:
             if not isinstance(t, torch.Tensor) or t.grad_fn is not None:
                 continue
-            if t.device.type not in ("cpu", "meta"):
+            if t.device.type != "cpu":
                 self.device = t.device
             if t.requires_grad or any(r() is t for r in self.leaves):  # the same every step
                 self.leaves.append(weakref.ref(t))
@@ -56,14 +61,21 @@ class StartLevel:
         return self.given()
 
     def given(self) -> int:
-        """The CPU's figure (any device: what the step is given, as the CPU counts it)."""
-        seen: dict[int, int] = {}
+        """The CPU's figure (any device: what the step is given, as the CPU counts it; on
+        the meta device, where fxckpt inspect plans, what the step would be given)."""
         alive = [t for ref in self.leaves if (t := ref()) is not None]
         self.leaves = [weakref.ref(t) for t in alive]
-        for t in [*alive, *(t.grad for t in alive if t.grad is not None), *watched_state()]:
-            storage = t.untyped_storage()  # meta tensors too: fxckpt inspect plans on them
+        tensors = [*alive, *(t.grad for t in alive if t.grad is not None), *watched_state()]
+        return self.held(tensors, self.device) + sum(self.batch.values())
+
+
+def _storages(tensors: Any, device: torch.device) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == device.type:
+            storage = t.untyped_storage()
             seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-        return sum(seen.values()) + sum(self.batch.values())
+    return sum(seen.values())
 
 
 def _compiling_module() -> Any:

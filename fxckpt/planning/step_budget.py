@@ -51,7 +51,14 @@ import torch.utils._pytree as pytree
 from fxckpt import _torch_compat as compat
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
-from fxckpt.planning.account import Account, GraphFigures, PeakTarget, compose, targets
+from fxckpt.planning.account import (
+    HEADROOM,
+    Account,
+    GraphFigures,
+    PeakTarget,
+    compose,
+    targets,
+)
 from fxckpt.planning.plan_round import hints
 from fxckpt.planning.start_level import StartLevel, alive, new_gradients, storage_bytes
 from fxckpt.planning.step_graphs import (
@@ -80,13 +87,26 @@ class StepBudget:
     """The graphs of one ``torch.compile`` call's step, their runs, and the budget they share."""
 
     def __init__(self, options: Options,
-                 scheduled: Callable[[str], tuple[int, int] | None] = lambda payload: None) -> None:
+                 scheduled: Callable[[str], tuple[int, int] | None] = lambda payload: None,
+                 held: Callable[[Any, torch.device], int] | None = None,
+                 meter: Callable[[torch.device], Any] | None = None) -> None:
         self.options = options
+        # A meter of one whole step (fxckpt.meter.Meter: a context manager whose result's
+        # peak_bytes is the most the step allocated), for the calibration below; None: none.
+        self.meter = meter
+        self.measuring: Any = None  # the meter of the step in progress, if it is measured
+        self.calibrated = False
+        self.compiles = 0  # compiles of this step's graphs so far (a measured step has none)
+        self.compiles_at_start = 0
+        # What the measured step allocated at its peak that no graph's plan counts (eager code
+        # between graphs: an embedding or a loss dynamo left out of every graph), added to
+        # the start level from then on.
+        self.unseen = 0
         # A plan's forward and backward peaks in the compiler's own schedule, once known
         # (Inductor's: fxckpt.passes.inductor_peak.step_peak_parts), else None.
         self.scheduled = scheduled
         self.graphs: dict[object, Graph] = {}
-        self.start = StartLevel()
+        self.start = StartLevel(held)
         self.start_bytes = 0  # the start level the plans were made for
         self.runs: list[object] = []  # the last whole step's runs, in forward order
         self.current: list[object] = []  # the step in progress
@@ -110,9 +130,20 @@ class StepBudget:
         keys = list(self.runs or self.current)
         return keys, [self.graphs[k].figures() for k in keys if k in self.graphs]
 
+    @property
+    def level(self) -> int:
+        """The start level the plans count: measured, and what eager code was seen to add."""
+        return self.start_bytes + self.unseen
+
     def account(self, start: int | None = None) -> Account:
         keys, figures = self.sequence()
-        return compose(self.start_bytes if start is None else start, figures)
+        return compose(self.level if start is None else start, figures)
+
+    def fits(self) -> bool:
+        """Whether the account, with :data:`~fxckpt.planning.account.HEADROOM` kept free,
+        is within the budget in bytes."""
+        budget = self.budget
+        return budget is None or self.account().peak + HEADROOM <= budget
 
     def target(self, key: object, own: GraphFigures | None = None) -> PeakTarget:
         """Graph ``key``'s target under the budget in bytes: see :func:`account.targets`."""
@@ -120,7 +151,7 @@ class StepBudget:
         assert budget is not None
         keys, figures = self.sequence()
         keys = [k for k in keys if k in self.graphs]
-        return targets(budget, self.start_bytes, figures, keys, key, own)
+        return targets(budget, self.level, figures, keys, key, own)
 
     # -- compiling -------------------------------------------------------------------------
     def compile(self, key: object, gm: Any, example_inputs: Sequence[Any],
@@ -155,11 +186,13 @@ class StepBudget:
             with _active(ticket):
                 return compile_fn(gm, inputs)
 
+        self.compiles += 1
         holder.append(build(None, example_inputs))  # the real inputs are not kept past this
         entry.recompile = None
         if fakes is not None:
             def recompile(target: PeakTarget) -> None:
                 entry.known = False  # the re-plan's partition says what it holds
+                self.compiles += 1
                 try:
                     with compat.no_tracing_context():
                         holder[0] = build(target, fakes)
@@ -202,8 +235,44 @@ class StepBudget:
             self.runs, self.current = self.current, []
             self.steps += 1
             self.replans = 0
+            quiet = self.compiles == self.compiles_at_start  # nothing compiled in the last step
+            if self.measuring is not None:
+                self._calibrate(quiet)
             self._step_starts()
+            if not self.calibrated and quiet and self.budget is not None:
+                self._measure_this_step()
+            self.compiles_at_start = self.compiles
         self.current.append(key)
+
+    def _measure_this_step(self) -> None:
+        """Measure this step's peak (once, the first step after one that compiled nothing):
+        what the plans do not count, eager code's tensors between graphs, shows there."""
+        if self.meter is None:
+            return
+        self.calibrated = True
+        meter = self.meter(self.start.device)
+        try:
+            meter.__enter__()
+        except Exception as e:  # a profiler of the user's own is recording: measure nothing
+            log.debug("fxckpt: the step is not measured: %s", e)
+            return
+        self.measuring = meter
+
+    def _calibrate(self, quiet: bool) -> None:
+        """The measured step ended: what it allocated at its peak over the account's figure
+        is eager code's, and counts from now on."""
+        meter, self.measuring = self.measuring, None
+        meter.__exit__(None, None, None)
+        if not quiet or meter.result is None:
+            self.calibrated = False  # a compile inside it: measure a later step
+            return
+        predicted = self.account(start=0).peak
+        unseen = max(0, int(meter.result.peak_bytes) - predicted)
+        if unseen > HEADROOM:
+            log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
+                     "count (eager code between graphs); counted from now on",
+                     format_bytes(unseen))
+            self.unseen = unseen
 
     def _arm(self, out: Any) -> None:
         for leaf in pytree.tree_leaves(out):
@@ -229,13 +298,13 @@ class StepBudget:
             log.info("fxckpt: the step starts at %s, %s more than its plans assumed; planning "
                      "again", format_bytes(level), format_bytes(level - self.start_bytes))
         self.start_bytes = max(level, self.start_bytes) if not grew else level
-        if self.account().peak <= budget:
+        if self.fits():
             return
         if self.replanning_steps >= MAX_STEP_REPLANS:
             return
         self.replanning_steps += 1
         self._rebalance()
-        if self.account().peak > budget and not self.verdict_given:
+        if not self.fits() and not self.verdict_given:
             self.verdict(None)
 
     def _rebalance(self) -> None:
@@ -247,7 +316,7 @@ class StepBudget:
         counts = {k: keys.count(k) for k in keys if k in self.graphs}
         order = sorted(counts, key=lambda k: -counts[k] * max(self.graphs[k].held, 1))
         for k in order:
-            if self.account().peak <= budget or self.replans >= MAX_REPLANS:
+            if self.fits() or self.replans >= MAX_REPLANS:
                 return
             g = self.graphs[k]
             if g.recompile is None or not g.known:
@@ -283,7 +352,7 @@ class StepBudget:
                                 max(1, g.backward_peak - (graph.over + runs - 1) // runs))
             g.recompile(target)
             graph.over = max(0, graph.over - (g.held - self.graphs[k].held) * runs)
-        if self.budget is not None and self.account().peak > self.budget and graph.lowest:
+        if self.budget is not None and not self.fits() and graph.lowest:
             self.verdict(graph.label)
 
     def verdict(self, graph: str | None) -> None:
@@ -305,7 +374,8 @@ class StepBudget:
         where = "the step" if len(holding) <= 1 else f"the step ({len(holding)} graphs, {runs} runs: {names})"
         label = graph if graph and len(holding) <= 1 else where
         error = BudgetError(
-            label, budget, account.peak, hints(self.options, any(g.pool_capped for g in graphs)),
+            label, budget, account.peak + HEADROOM,
+            hints(self.options, any(g.pool_capped for g in graphs)),
             "; ".join(dict.fromkeys(g.sizes for g in graphs if g.sizes)),
             scope="step", parts=account.parts(),
         )
@@ -366,15 +436,17 @@ def applies(options: Options) -> bool:
 
 
 def step_for(options: Options,
-             scheduled: Callable[[str], tuple[int, int] | None] = lambda payload: None) -> StepBudget:
+             scheduled: Callable[[str], tuple[int, int] | None] = lambda payload: None,
+             held: Callable[[Any, torch.device], int] | None = None,
+             meter: Callable[[torch.device], Any] | None = None) -> StepBudget:
     """The step of the ``torch.compile`` call compiling now (a step of its own outside one);
-    ``scheduled``: see :class:`StepBudget`."""
+    ``scheduled``, ``held`` and ``meter``: see :class:`StepBudget` and :class:`StartLevel`."""
     owner = compat.compile_call_owner()
     if owner is None:
-        return StepBudget(options, scheduled)
+        return StepBudget(options, scheduled, held, meter)
     step = _steps.get(owner)
     if step is None or step.options.cache_key() != options.cache_key():
-        step = _steps[owner] = StepBudget(options, scheduled)
+        step = _steps[owner] = StepBudget(options, scheduled, held, meter)
     return step
 
 
