@@ -145,6 +145,11 @@ def compile_call_owner() -> Any:
     return getattr(output, "compiler_fn", None)
 
 
+def at_backward_end(fn: Any) -> None:
+    """Run ``fn()`` when the backward running now ends (call it from inside a backward hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
 def compiled_module_of(obj: Any) -> Any:
     """The module ``obj`` wraps where it is dynamo's wrapper of a compiled module, else None."""
     from torch._dynamo.eval_frame import OptimizedModule

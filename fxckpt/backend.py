@@ -198,7 +198,8 @@ def compile_graph(
 
         step = step_budget.step_for(
             options, step_peak_parts if options.compiler == "inductor" else lambda payload: None,
-            held_on_device, None if offline else (lambda device: Meter(device, holding=())))
+            held_on_device,
+            None if offline else (lambda device: Meter(device, holding=(), calibration=True)))
         return step.compile(
             step_budget.graph_key(), gm, example_inputs,
             lambda g, inputs: _compile_measured(g, inputs, options, mode, offline=offline),

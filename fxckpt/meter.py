@@ -32,6 +32,8 @@ device copies that fxckpt keeps across steps.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -226,16 +228,27 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+class _Calibrating(threading.local):
+    meter: Meter | None = None
+
+
+# The step a memory budget measures once on its own (fxckpt.planning.step_budget), on this
+# thread: a meter the user starts takes precedence, and cancels it.
+_calibrating = _Calibrating()
+
+
 class Meter:
     """``with fxckpt.Meter("cpu") as m: ...``; then ``m.result`` is a :class:`Measurement`.
 
     Call :meth:`set_output` inside the block to have ``output_bytes`` counted. ``holding``:
     what the device holds at the start, for ``start_bytes`` on the CPU (see the module's
-    docstring); CUDA's allocator counts it itself.
+    docstring); CUDA's allocator counts it itself. ``calibration``: the one step a memory
+    budget measures itself; any other meter entered on the thread meanwhile cancels it
+    (:attr:`cancelled`), so that the user's measurement is never disturbed.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, cuda: CudaCounters | None = None,
-                 holding: Any = None) -> None:
+                 holding: Any = None, calibration: bool = False) -> None:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise FxckptError(
@@ -250,11 +263,40 @@ class Meter:
         self._marks_from = 0
         self._holding = holding
         self.result: Measurement | None = None
+        self.calibration = calibration
+        self.cancelled = False
+        self.finished = False
+        # A calibration's step ended here (time.time_ns(), the allocator events' clock): what
+        # is allocated after it is not the step's. On CUDA, its peak statistic there.
+        self.ended_ns: int | None = None
+        self._ended_peak: int | None = None
+
+    def step_ended(self) -> None:
+        """The measured step ended (its backward did): what comes after is not measured."""
+        self.ended_ns = time.time_ns()
+        if self._cuda is not None:
+            self._ended_peak = self._cuda.max_allocated(self.device)
 
     def set_output(self, output: Any) -> None:
         self._output = output
 
+    def cancel(self) -> None:
+        """Stop measuring and keep no result (a calibration another meter preempts)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if _calibrating.meter is self:
+            _calibrating.meter = None
+        if self._cuda is None:
+            compat.stop_memory_events()
+            host_marks.stop(self._marks_from)
+
     def __enter__(self) -> Meter:
+        if not self.calibration and (other := _calibrating.meter) is not None:
+            if other.ended_ns is not None:  # its step is over: finish it, it has its figure
+                other.__exit__(None, None, None)
+            else:
+                other.cancel()
         if self._cuda is not None:
             self._cuda.synchronize(self.device)
             self._cuda.reset_peak(self.device)
@@ -269,15 +311,23 @@ class Meter:
             self._start = held_on_device(self._holding, self.device)
             compat.start_memory_events()
             self._marks_from = host_marks.start()
+        if self.calibration:
+            _calibrating.meter = self
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self.cancelled or self.finished:
+            return
+        self.finished = True
+        if _calibrating.meter is self:
+            _calibrating.meter = None
         if self._cuda is not None:
             self._cuda.synchronize(self.device)
             end = self._cuda.allocated(self.device)
-            peak = self._cuda.max_allocated(self.device) - self._start
+            top = self._ended_peak if self._ended_peak is not None else self._cuda.max_allocated(self.device)
+            peak = top - self._start
             resident = end - self._start
             out = _output_bytes(self._output, self.device, None)
             source = CUDA_SOURCE
@@ -286,6 +336,8 @@ class Meter:
             marks = host_marks.stop(self._marks_from)
             if kind is not None:
                 return
+            if self.ended_ns is not None:
+                events = [e for e in events if e[0] <= self.ended_ns]
             live, peak = net_allocations(events, "cpu", _host_ptrs(), marks)
             resident = sum(live.values())
             out = _output_bytes(self._output, self.device, live)

@@ -42,16 +42,40 @@ def measure_step(compiled: Any, inputs: Any, *, warm: bool = True) -> fxckpt.Mea
     return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward())
 
 
+def _step_accounts_measuring() -> bool:
+    """Whether a step account (fxckpt.planning.step_budget) measures a step of its own now, or
+    will at the next step: it reads the same profiler the CPU meter does, so a measurement
+    around that step would read nothing (or be refused)."""
+    from fxckpt.planning import step_budget
+
+    return any(getattr(s, "measuring", None) is not None
+               or (s.budget is not None and not getattr(s, "calibrated", True))
+               for s in list(step_budget._steps.values()))  # fmt: skip
+
+
 def measure_absolute_step(compiled: Any, model: Any, inputs: Any, *, warm: int = 2
                           ) -> fxckpt.Measurement:
     """One whole training step of ``compiled`` (the compiled ``model``) as ``memory_budget``
     counts it, after ``warm`` warm-up steps: every gradient is dropped first, so the
     ``absolute_peak_bytes`` is what the device held when the step began (the parameters,
-    buffers and ``inputs``) plus the most the step allocated over its forward and backward."""
-    for _ in range(warm):
+    buffers and ``inputs``) plus the most the step allocated over its forward and backward.
+
+    The step account measures one quiet step of its own after the compile (its calibration,
+    with the profiler the CPU meter reads): more warm-up steps run until it has (at most four),
+    and a step that allocated nothing is refused here."""
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         _loss(_call(compiled, inputs)).backward()
+
+    for _ in range(warm):
+        step()
+    for _ in range(4):
+        if not _step_accounts_measuring():
+            break
+        step()
     model.zero_grad(set_to_none=True)
     gc.collect()
-    return fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward(),
-                          holding=(model, inputs))
+    m = fxckpt.measure(lambda: _loss(_call(compiled, inputs)).backward(), holding=(model, inputs))
+    assert m.peak_bytes > 0, f"the meter saw no allocation in a whole training step: {m}"
+    return m

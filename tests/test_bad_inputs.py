@@ -19,7 +19,7 @@ from models import GPT, gpt_inputs
 
 import fxckpt
 from fxckpt.errors import BudgetError, OptionsError
-from fxckpt.options import OPTION_NAMES
+from fxckpt.options import OPTION_NAMES, REMOVED
 
 NAN = float("nan")
 INF = float("inf")
@@ -44,9 +44,6 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "cost_model": [1, None],
         "compiler": [False, None],
         "on_infeasible": [None, 0],
-        "budget_scope": [None, 1],
-        "device_budget": [True, [1]],
-        "peak_budget": [True, [1]],
         "blocks": [3, ["layers"], b"layers"],
         "block_index": ["0", 1.0, True, [0]],
         "adapt": [1, None, True],
@@ -68,9 +65,6 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "cost_model": ["time", "FLOPS"],
         "compiler": ["aot_eager", "Inductor", "cudagraphs"],
         "on_infeasible": ["ignore", "Raise"],
-        "budget_scope": ["steps", "Graph"],
-        "device_budget": [0, -1, 0.5, "auto"],
-        "peak_budget": [0, -1, 0.5, "auto"],
         "blocks": ["(", "layers[", "*", ""],
         "block_index": [-1, -8],
         "adapt": ["sometimes", "Auto", ""],
@@ -92,9 +86,6 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "cost_model": [NAN],
         "compiler": [NAN],
         "on_infeasible": [NAN],
-        "budget_scope": [NAN],
-        "device_budget": [NAN, INF],
-        "peak_budget": [NAN, INF],
         "blocks": [NAN],
         "block_index": [NAN, INF],
         "adapt": [NAN],
@@ -116,9 +107,6 @@ MATRIX: dict[str, dict[str, list[Any] | None]] = {
         "cost_model": None,
         "compiler": None,
         "on_infeasible": None,
-        "budget_scope": None,
-        "device_budget": ["12 XB", "6 GiBs"],
-        "peak_budget": ["12 XB", "6 GiBs"],
         "blocks": None,
         "block_index": None,
         "adapt": None,
@@ -135,6 +123,10 @@ CONTRADICTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"offload": "never", "offload_dir": "/tmp"}, "offload_dir", "offload='never'"),
     ({"host_budget": "1GiB", "pinned_pool_bytes": "2GiB"}, "pinned_pool_bytes", "host_budget"),
 ]
+# Options of earlier versions, each with a value it used to take: refused, naming the option
+# and saying what to write instead (REMOVED).
+REMOVED_VALUES: dict[str, Any] = {"peak_budget": "20GiB", "device_budget": "6GiB",
+                                  "budget_scope": "graph"}
 UNKNOWN_KEYS: list[tuple[str, str | None]] = [
     ("memory_budjet", "memory_budget"),
     ("segment_strid", "segment_stride"),
@@ -157,6 +149,8 @@ def _cases() -> list[tuple[str, dict[str, Any], str]]:
         out.append((f"contradiction:{opts}", opts, name))
     for key, _ in UNKNOWN_KEYS:
         out.append((f"unknown key:{key}", {key: 1}, key))
+    for key, value in REMOVED_VALUES.items():
+        out.append((f"removed:{key}={value!r}", {key: value}, key))
     return out
 
 
@@ -169,11 +163,13 @@ def test_the_matrix_covers_every_option_with_every_kind() -> None:
     for kind, per_option in MATRIX.items():
         assert set(per_option) == set(OPTION_NAMES), (kind, set(OPTION_NAMES) ^ set(per_option))
     byte_options = {"memory_budget", "min_offload_bytes", "pinned_pool_bytes", "bandwidth",
-                    "host_budget", "offload_dir_bandwidth", "device_budget", "peak_budget"}
+                    "host_budget", "offload_dir_bandwidth"}
     assert {n for n, v in MATRIX["unknown unit"].items() if v} == byte_options
     for kind in ("wrong type", "out of range", "NaN or infinite"):
         assert all(MATRIX[kind][n] for n in OPTION_NAMES), kind
     assert len(IDS) == len(set(IDS)), "case ids must be unique"
+    # The removed options are no options, and each of them has its case at both entries.
+    assert not set(REMOVED) & set(OPTION_NAMES) and set(REMOVED_VALUES) == set(REMOVED)
 
 
 def _check_message(err: OptionsError, name: str) -> None:
@@ -319,28 +315,52 @@ def _gpt_step(options: dict[str, Any]) -> None:
     [
         pytest.param({"memory_budget": 1000, "offload": "never"}, id="bytes-never"),
         pytest.param({"memory_budget": "1KiB", "offload": "auto", "min_offload_bytes": "1MiB"}, id="kib-auto"),
-        pytest.param({"memory_budget": 0.001, "offload": "never", "segment_stride": 1}, id="fraction-stride"),
+        pytest.param({"memory_budget": "100KiB", "offload": "never", "segment_stride": 1}, id="kib-stride"),
     ],
 )
 def test_infeasible_budget_raises_budget_error_with_the_smallest_figure(options: dict[str, Any]) -> None:
     options = {"compiler": "eager", "cost_model": "unit", **options}
-    # A byte budget fails at compile time; a fraction of the step in the step's backward (a
-    # later graph might have had room), from loss.backward() itself.
-    expected = BudgetError if isinstance(options["memory_budget"], float) else (
-        torch._dynamo.exc.BackendCompilerFailed
-    )
-    with pytest.raises(expected) as info:
+    # The step is one graph: a budget it cannot meet fails at compile time, in dynamo's
+    # wrapper, before the step runs.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         _gpt_step(options)
     err = _inner(info.value)
     assert isinstance(err, BudgetError), type(err)
+    assert err.scope == "step"
     assert 0 < err.budget_bytes < err.smallest_bytes
-    assert f"{err.smallest_bytes} bytes" in str(err) and str(err) in str(info.value)
+    assert f"cannot meet memory_budget={err.budget_bytes} bytes" in str(err)
+    assert f"the smallest budget it runs under is memory_budget={err.smallest_bytes}" in str(err)
+    assert str(err) in str(info.value)
     assert "on_infeasible='warn'" in str(err)
+    # The smallest figure covers the step's predicted peak there, split into its parts.
+    parts = err.parts
+    assert parts["start_bytes"] + parts["gradients_bytes"] + parts["activations_bytes"] == parts["total_bytes"]
+    assert parts["total_bytes"] <= err.smallest_bytes
+    assert parts["start_bytes"] > 0 and parts["activations_bytes"] > 0
     # The smallest figure is achievable: as the budget, it compiles and the plan meets it.
     _gpt_step({**options, "memory_budget": err.smallest_bytes})
     (plan,) = fxckpt.last_plans()
     assert plan.budget_bytes == err.smallest_bytes
-    assert plan.resident_peak_bytes is not None and plan.resident_peak_bytes <= err.smallest_bytes
+    assert plan.step is not None and plan.step["total_bytes"] <= err.smallest_bytes
+    # And it is the smallest: a byte less does not.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        _gpt_step({**options, "memory_budget": err.smallest_bytes - 1})
+    assert isinstance(_inner(info.value), BudgetError)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.5, 1.0])
+def test_every_fraction_is_feasible(fraction: float) -> None:
+    # A fraction spans the graph's own plans, from the lowest (near 0) to plain min-cut's
+    # (1.0): no fraction is infeasible, however small, even with offloading off.
+    _gpt_step({"compiler": "eager", "cost_model": "unit", "memory_budget": fraction,
+               "offload": "never", "segment_stride": 1})
+    (plan,) = fxckpt.last_plans()
+    assert plan.step is not None and plan.target is not None
+    # The budget in bytes is the start level plus the graph's own target.
+    largest = max(plan.target["forward_bytes"], plan.target["backward_bytes"])
+    assert plan.budget_bytes == plan.step["start_bytes"] + largest
+    assert plan.step["total_bytes"] <= plan.budget_bytes
+    assert plan.offloaded_bytes == 0
 
 
 def test_infeasible_budget_from_fxckpt_backend_is_the_same_error() -> None:

@@ -1,14 +1,16 @@
 """A deliberate graph break inside the block stack: stride and budget still apply per graph.
 
 Blocks are numbered by the integer in their module path (``layers.2`` is block 2), so a
-stride picks the same blocks on both sides of a break, and under ``budget_scope="graph"`` a
-budget is met by each graph on its own (the step's budget: tests/test_step_budget.py). A
-break *inside a loop* over the blocks is another matter: dynamo then skips the whole frame,
+stride picks the same blocks on both sides of a break, and a fractional ``memory_budget`` is
+met by each graph on its own, from its own range of plans (a budget in bytes bounds the step:
+tests/test_step_budget.py). A break *inside a loop* over the blocks is another matter: dynamo then skips the whole frame,
 and each block's forward becomes a graph of its own that every block shares;
 the last test pins down what fxckpt does there (docs/limitations.md).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -18,6 +20,7 @@ from measured import measure_forward
 from models import Block, gpt_inputs
 
 import fxckpt
+from fxckpt.runtime.stats import BudgetOverrunWarning
 
 
 class BrokenGPT(nn.Module):
@@ -77,18 +80,30 @@ def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
     torch.manual_seed(0)
     # Unit costs: copies cost nothing fixed, so both graphs offload (priced at the CPU engine's
     # hand-off, these tiny blocks are cheaper to recompute, and then nothing is offloaded).
-    backend = fxckpt.backend(
-        compiler="eager", memory_budget=0.3, cost_model="unit", budget_scope="graph"
-    )
-    compiled = assert_step_matches(BrokenGPT(), gpt_inputs(), backend, steps=2)
+    backend = fxckpt.backend(compiler="eager", memory_budget=0.3, cost_model="unit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetOverrunWarning)
+        compiled = assert_step_matches(BrokenGPT(), gpt_inputs(), backend, steps=2)
     plans = fxckpt.last_plans()
     assert len(plans) == 2
+    first, second = plans
     for plan in plans:
-        # A fraction is of the graph's own baseline: each graph gets its own budget.
-        assert plan.budget_bytes == int(0.3 * plan.baseline_saved_bytes)
-        assert plan.resident_peak_bytes is not None
-        assert plan.resident_peak_bytes <= plan.budget_bytes
+        # A fraction is of the graph's own range of plans: each graph gets its own target,
+        # 30 % of the way from its lowest plan's step peak to plain min-cut's, and its
+        # budget in bytes is that over the step's start level.
+        assert plan.target is not None and plan.step is not None, plan.notes
+        assert any(n.startswith("memory_budget=0.3: ") for n in plan.notes), plan.notes
+        largest = max(plan.target["forward_bytes"], plan.target["backward_bytes"])
+        assert plan.budget_bytes == plan.step["start_bytes"] + largest
+        assert plan.forward_peak_bytes <= plan.target["forward_bytes"]
+        assert plan.backward_peak_bytes <= plan.target["backward_bytes"]
+        assert plan.resident_peak_bytes < plan.baseline_saved_bytes
         assert plan.offloaded_bytes + plan.recomputed_bytes > 0
+    # The step's account still counts what the first graph holds for its backward while the
+    # second runs: the fraction leaves the second graph's target alone, not its step peak.
+    assert first.held_bytes > 0 and second.step is not None and first.step is not None
+    assert second.step["activations_bytes"] >= first.held_bytes + second.backward_peak_bytes
+    assert second.step["total_bytes"] > first.step["total_bytes"]
     s = fxckpt.stats()
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
     # One entry per graph, not the last graph's figure alone; the step adds them up.
@@ -101,9 +116,10 @@ def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
         )
     assert s["planned_kept_bytes"] == sum(g["planned_kept_bytes"] for g in graphs.values())
     assert s["planned_peak_bytes"] == sum(p.resident_peak_bytes for p in plans)
-    # Measured: both graphs' saved tensors wait for the backward, each within its budget.
+    # Measured: both graphs' saved tensors wait for the backward, each graph's within what its
+    # plan leaves for its backward (with BudgetOverrunWarning's tolerance).
     held = measure_forward(compiled, gpt_inputs(), warm=False).held_bytes
-    assert 0 < held <= sum(p.budget_bytes for p in plans)
+    assert 0 < held <= sum(p.held_bytes + max(4096, p.held_bytes // 100) for p in plans)
 
 
 def test_offload_and_stride_compose_across_a_break() -> None:

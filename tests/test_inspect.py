@@ -112,8 +112,16 @@ def test_progress_reports_each_step_and_restores_the_logger() -> None:
 
 
 def test_auto_budget_is_an_options_error_offline() -> None:
-    with pytest.raises(fxckpt.OptionsError, match="memory_budget"):
-        fxckpt.inspect(GPT(), torch.zeros(1, 4, dtype=torch.long), memory_budget="auto")
+    # inspect plans on the meta device: there is no card whose capacity "auto" could read,
+    # and a capacity stated for the CPU is not the meta device's.
+    for stated in (None, "64MiB"):
+        with fxckpt.emulate_device_memory(stated), pytest.raises(fxckpt.OptionsError) as info:
+            fxckpt.inspect(GPT(), torch.zeros(1, 4, dtype=torch.long), memory_budget="auto")
+        assert info.value.option == "memory_budget" and info.value.value == "auto"
+        assert "'meta'" in str(info.value)
+    # A budget in bytes plans offline.
+    (plan,) = fxckpt.inspect(GPT(), torch.zeros(1, 4, dtype=torch.long), memory_budget="64MiB")
+    assert plan.budget_bytes == 64 * 2**20
 
 
 def test_nothing_to_plan_without_gradients() -> None:

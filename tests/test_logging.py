@@ -29,7 +29,9 @@ CHILD = textwrap.dedent(
     options = {"compiler": "eager", "memory_budget": 0.3, "min_offload_bytes": 0,
                "cost_model": "unit", "segment_stride": 2, "segment_width": 1}
     compiled = torch.compile(model, backend="fxckpt", options=options)
-    compiled(torch.randn(4, 16, requires_grad=True)).backward()
+    # A batch whose activations outweigh the weights: 30 % of the way from the lowest plan
+    # to plain min-cut keeps, recomputes and offloads.
+    compiled(torch.randn(256, 16, requires_grad=True)).backward()
     print("PLANS " + json.dumps([p.to_dict() for p in fxckpt.last_plans()]))
     """
 )
@@ -62,8 +64,19 @@ def test_plus_fxckpt_logs_the_pipeline_and_every_decision_with_its_reason() -> N
     assert positions == sorted(positions), "pipeline steps logged out of order"
     assert re.search(r"fxckpt: segments \{0: \(0,\), 1: \(2,\)\} \(tagged \d+ nodes\)", log)
 
-    # The summary, then one line per saved activation carrying the plan's own reason.
-    assert f"fxckpt {plan['name']}: baseline saved" in log
+    # The summary (the step's predicted peak against the budget, and its parts), then one
+    # line per saved activation carrying the plan's own reason.
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.2f} MiB"
+
+    step = plan["step"]
+    assert step is not None and plan["budget_bytes"] is not None
+    assert step["total_bytes"] <= plan["budget_bytes"]
+    summary = (f"fxckpt {plan['name']}: step peak {mib(step['total_bytes'])} predicted (budget "
+               f"{mib(plan['budget_bytes'])}): start {mib(step['start_bytes'])}, gradients "
+               f"{mib(step['gradients_bytes'])}, activations {mib(step['activations_bytes'])}; "
+               f"saved: baseline {mib(plan['baseline_saved_bytes'])}")
+    assert summary in log, log
     rows = plan["activations"]
     assert {r["decision"] for r in rows} >= {"keep", "recompute", "offload"}
     lines = log.splitlines()

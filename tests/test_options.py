@@ -16,13 +16,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxckpt import _host
+import fxckpt
+from fxckpt import _capacity, _host
 from fxckpt.errors import OptionsError
 from fxckpt.options import (
     AUTO_MARGIN,
     AUTO_MARGIN_BYTES,
     OPTION_NAMES,
+    REMOVED,
     Options,
+    auto_budget,
     options_from_env,
     parse_bandwidth,
     parse_bytes,
@@ -68,9 +71,6 @@ BAD_CASES: list[tuple[dict[str, Any], str, Any]] = [
     *(({}, "compiler", v) for v in ["aot_eager", "Inductor", None, False]),
     *(({}, "on_infeasible", v) for v in ["ignore", "Raise", None, False]),
     *(({}, "adapt", v) for v in ["always", "Auto", None, True, 2]),
-    *(({}, "budget_scope", v) for v in ["steps", "Graph", None, 0]),
-    *(({}, "device_budget", v) for v in [True, 0, -1, 0.5, "auto", "lots", NAN, [1]]),
-    *(({}, "peak_budget", v) for v in [True, 0, -1, 0.5, "auto", "lots", NAN, [1]]),
     *(({}, "blocks", v) for v in ["(", "layers[", "*", "", 3, b"layers", ["layers"]]),
     *(({}, "block_index", v) for v in [-1, "0", 1.0, True]),
     ({"blocks": "layers"}, "block_index", 0),
@@ -227,8 +227,7 @@ def test_defaults() -> None:
         "min_offload_bytes": 0, "prefetch": "auto", "coalesce": "auto", "copy_streams": 1,
         "host_budget": None, "offload_dir": None, "offload_dir_bandwidth": None,
         "bandwidth": None, "cost_model": "flops",
-        "compiler": "inductor", "on_infeasible": "raise", "adapt": "auto",
-        "budget_scope": "step", "device_budget": None, "peak_budget": None, "blocks": None,
+        "compiler": "inductor", "on_infeasible": "raise", "adapt": "auto", "blocks": None,
         "block_index": None,
     }  # fmt: skip
 
@@ -246,7 +245,7 @@ def test_segment_width_defaults_to_stride(stride: int, width: int | None, expect
      ("cost_model", "profile", "profile"), ("cost_model", "unit", "unit"),
      ("compiler", "eager", "eager"), ("on_infeasible", "warn", "warn"),
      ("adapt", "never", "never"), ("adapt", "measure", "measure"),
-     ("budget_scope", "graph", "graph"),
+     ("memory_budget", "auto", "auto"), ("block_index", 3, 3),
      ("copy_streams", 32, 32), ("min_offload_bytes", "64KiB", 64 * 1024),
      ("min_offload_bytes", 0, 0), ("pinned_pool_bytes", "8GiB", 8 * GiB),
      ("host_budget", "64GiB", 64 * GiB), ("host_budget", 0, 0), ("host_budget", 0.25, 0.25),
@@ -313,7 +312,7 @@ def test_cache_key_equal_for_equal_options() -> None:
      {"offload_dir": "/tmp"}, {"offload_dir_bandwidth": "1GB/s"}, {"bandwidth": 1},
      {"cost_model": "unit"},
      {"compiler": "eager"}, {"on_infeasible": "warn"}, {"adapt": "never"},
-     {"budget_scope": "graph"}, {"blocks": "x"}],
+     {"memory_budget": "auto"}, {"block_index": 0}, {"blocks": "x"}],
 )  # fmt: skip
 def test_cache_key_differs_for_different_options(changes: dict[str, Any]) -> None:
     assert Options.from_mapping(changes).cache_key() != Options().cache_key()
@@ -347,18 +346,35 @@ def test_cache_key_distinguishes_int_from_fraction() -> None:
 def test_option_names() -> None:
     fields = tuple(f.name for f in dataclasses.fields(Options))
     assert OPTION_NAMES == (*fields, "pinned_pool_bytes")  # the alias is accepted, not kept
-    assert len(fields) == 21
+    assert len(fields) == 18
+    assert not set(REMOVED) & set(OPTION_NAMES)  # the removed options are no longer accepted
 
 
 @pytest.mark.parametrize(
-    ("budget", "baseline", "expected"),
-    [(None, 100, None), (4096, 100, 4096), ("1KiB", 0, 1024), (0.5, 1000, 500),
-     (0.3, 10, 3), (1.0, 12345, 12345), (0.25, 0, 0)],
+    ("budget", "expected"),
+    [(None, None), (4096, 4096), ("1KiB", 1024), ("12GiB", 12 * GiB), (1, 1),
+     # A fraction is resolved by each graph against its own range of plans, not here.
+     (0.5, None), (1e-3, None), (1.0, None)],
 )  # fmt: skip
-def test_resolve_budget(budget: Any, baseline: int, expected: int | None) -> None:
-    resolved = Options(memory_budget=budget).resolve_budget(baseline)
+def test_resolve_budget(budget: Any, expected: int | None) -> None:
+    options = Options(memory_budget=budget)
+    resolved = options.resolve_budget()
     assert resolved == expected
     assert resolved is None or type(resolved) is int
+    # Bytes are bytes on any device: only "auto" reads the device.
+    assert options.resolve_budget(device="meta") == expected
+
+
+def test_resolve_budget_takes_only_a_keyword_device() -> None:
+    with pytest.raises(TypeError):
+        Options(memory_budget=4096).resolve_budget(100)  # type: ignore[misc]
+
+
+@pytest.fixture
+def no_stated_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No capacity stated for the CPU: none in the environment, none read from it yet."""
+    monkeypatch.delenv(_capacity.ENV_VAR, raising=False)
+    monkeypatch.setattr(_capacity, "_stated", [])
 
 
 def _mem_available() -> int:
@@ -368,26 +384,157 @@ def _mem_available() -> int:
     raise AssertionError("no MemAvailable in /proc/meminfo")
 
 
-@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs /proc/meminfo")
-def test_auto_budget_on_cpu_is_within_available_memory() -> None:
-    resolved = Options(memory_budget="auto").resolve_budget(10**12, device="cpu")
-    assert type(resolved) is int
-    assert 0 < resolved <= _mem_available()
-    assert Options(memory_budget="auto").resolve_budget(0) == pytest.approx(resolved, rel=0.2)
+@pytest.mark.usefixtures("no_stated_capacity")
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_auto_budget_on_cpu_needs_a_stated_capacity(device: str | None) -> None:
+    # The CPU has no card: "auto" does not guess from the machine's RAM.
+    with pytest.raises(OptionsError) as info:
+        Options(memory_budget="auto").resolve_budget(device=device)
+    assert info.value.option == "memory_budget"
+    assert "emulate_device_memory" in info.value.accepted
+    assert _capacity.ENV_VAR in info.value.accepted
 
 
-@pytest.mark.parametrize("free", [0, 100 * MiB, AUTO_MARGIN_BYTES, 10 * GiB])
-def test_auto_budget_margin(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
-    monkeypatch.setattr(_host, "available_bytes", lambda option="x": free)
-    expected = max(0, int(free * (1 - AUTO_MARGIN)) - AUTO_MARGIN_BYTES)
-    assert Options(memory_budget="auto").resolve_budget(1, device="cpu") == expected
+@pytest.mark.usefixtures("no_stated_capacity")
+def test_auto_budget_on_cpu_with_an_emulated_capacity() -> None:
+    options = Options(memory_budget="auto")
+    with fxckpt.emulate_device_memory("64MiB") as stated:
+        assert stated.bytes == 64 * MiB
+        assert options.resolve_budget() == auto_budget(64 * MiB) == 60397977
+        assert options.resolve_budget(device="cpu") == auto_budget(64 * MiB)
+    # Out of the with statement, the capacity stated before (none) comes back.
+    with pytest.raises(OptionsError):
+        options.resolve_budget()
+    fxckpt.emulate_device_memory(2 * GiB)  # without with: stays stated
+    assert options.resolve_budget() == auto_budget(2 * GiB)
+    fxckpt.emulate_device_memory(None)
+    with pytest.raises(OptionsError):
+        options.resolve_budget()
+
+
+@pytest.mark.usefixtures("no_stated_capacity")
+def test_auto_budget_on_cpu_reads_the_capacity_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(_capacity.ENV_VAR, "24GiB")
+    assert Options(memory_budget="auto").resolve_budget() == auto_budget(24 * GiB)
+
+
+@pytest.mark.usefixtures("no_stated_capacity")
+@pytest.mark.parametrize("text", ["lots", "12 XB", "-1GiB", "0", "1.5B"])
+def test_bad_device_memory_env_names_the_variable(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv(_capacity.ENV_VAR, text)
+    with pytest.raises(OptionsError) as info:
+        Options(memory_budget="auto").resolve_budget()
+    assert info.value.option == "FXCKPT_DEVICE_MEMORY"
+    assert repr(text) in str(info.value)
+    assert '"24GiB"' in info.value.accepted
+
+
+@pytest.mark.parametrize("capacity", [0, "0B", -1, "lots"])
+def test_emulate_device_memory_refuses_no_capacity(capacity: Any) -> None:
+    before = _capacity.stated()
+    with pytest.raises(OptionsError) as info:
+        fxckpt.emulate_device_memory(capacity)
+    assert info.value.option == "capacity"
+    assert _capacity.stated() == before  # a refused capacity states nothing
+
+
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(1, 0), (64 * MiB, 60397977),
+     # 5 % of 20 GiB is the 1 GiB cap: over 20 GiB the fixed part stays at 1 GiB.
+     (20 * GiB, 18 * GiB), (80 * GiB, 75 * GiB), (24 * GiB, 23407571763)],
+)  # fmt: skip
+def test_auto_budget_margin(capacity: int, expected: int) -> None:
+    assert auto_budget(capacity) == expected
+    fixed = min(AUTO_MARGIN_BYTES, int(capacity * AUTO_MARGIN))
+    assert expected == max(0, int(capacity * (1 - AUTO_MARGIN)) - fixed)
+    with fxckpt.emulate_device_memory(capacity):
+        assert Options(memory_budget="auto").resolve_budget(device="cpu") == expected
 
 
 def test_auto_budget_on_unmeasurable_device() -> None:
-    with pytest.raises(OptionsError) as info:
-        Options(memory_budget="auto").resolve_budget(1, device="meta")
+    with fxckpt.emulate_device_memory("64MiB"):  # a capacity stated for the CPU is not meta's
+        with pytest.raises(OptionsError) as info:
+            Options(memory_budget="auto").resolve_budget(device="meta")
     assert info.value.option == "memory_budget"
     assert "meta" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Removed options
+# ---------------------------------------------------------------------------------------------
+
+# Each removed option with what it used to take and a word of what to write instead.
+REMOVED_CASES: list[tuple[str, Any, str]] = [
+    ("peak_budget", "20GiB", "memory_budget"), ("peak_budget", 0.5, "memory_budget"),
+    ("peak_budget", None, "memory_budget"), ("device_budget", "6GiB", "memory_budget"),
+    ("device_budget", 4096, "memory_budget"), ("budget_scope", "graph", "nothing"),
+    ("budget_scope", "step", "nothing"),
+]  # fmt: skip
+
+
+def test_every_removed_option_has_a_case() -> None:
+    assert set(REMOVED) == {"peak_budget", "device_budget", "budget_scope"}
+    assert {name for name, _, _ in REMOVED_CASES} == set(REMOVED)
+
+
+def _check_removed(err: BaseException, name: str, value: Any, word: str) -> None:
+    assert isinstance(err, OptionsError), type(err)
+    message = str(err)
+    assert err.option == name and err.value == value
+    assert err.accepted == REMOVED[name] and err.accepted.startswith(word)
+    assert f"{name!r} was removed" in message
+    assert f"expected {REMOVED[name]}" in message
+    assert "#migrating-from-peak_budget-device_budget-and-budget_scope" in message
+
+
+@pytest.mark.parametrize(("name", "value", "word"), REMOVED_CASES)
+def test_removed_option_says_what_to_write_instead(name: str, value: Any, word: str) -> None:
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping({name: value})
+    _check_removed(info.value, name, value, word)
+    # With valid options beside it, and through the validated backend object, the same.
+    with pytest.raises(OptionsError) as info:
+        Options.from_mapping({"memory_budget": "1GiB", name: value})
+    _check_removed(info.value, name, value, word)
+    with pytest.raises(OptionsError) as info:
+        fxckpt.backend(**{name: value})
+    _check_removed(info.value, name, value, word)
+
+
+def _inner(exc: BaseException) -> BaseException:
+    inner = getattr(exc, "inner_exception", None)
+    assert inner is not None, exc
+    return inner
+
+
+@pytest.mark.parametrize(("name", "value", "word"), REMOVED_CASES[::2])
+def test_removed_option_refuses_through_torch_compile_and_the_env(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: Any, word: str
+) -> None:
+    import torch
+
+    def run(options: dict[str, Any] | None) -> None:
+        torch._dynamo.reset()
+        x = torch.randn(3, requires_grad=True)
+        torch.compile(lambda t: t.sin().sum(), backend="fxckpt", options=options)(x)
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        run({"compiler": "eager", name: value})
+    _check_removed(_inner(info.value), name, value, word)
+    monkeypatch.setenv("FXCKPT_OPTIONS", json.dumps({"compiler": "eager", name: value}))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        run(None)
+    _check_removed(_inner(info.value), name, value, word)
+
+
+def test_removed_options_are_not_options() -> None:
+    for name in REMOVED:
+        assert name not in Options().to_dict()
+        with pytest.raises(TypeError):
+            Options(**{name: None})
 
 
 def test_import_does_not_initialise_cuda() -> None:

@@ -150,7 +150,7 @@ def partition(
             fits = [c for c in tries if c.over == 0]
         first = tries[0].target
         ctx = fits[0] if fits or first is None else min(
-            tries, key=lambda c: first.over_by(*c.peaks, c.held))
+            tries, key=lambda c: first.over_by(c.peaks[0], c.peaks[1], c.held))
         report(ctx)
         assert ctx.plan is not None
         record(ctx.plan)

@@ -95,6 +95,7 @@ class StepBudget:
         # peak_bytes is the most the step allocated), for the calibration below; None: none.
         self.meter = meter
         self.measuring: Any = None  # the meter of the step in progress, if it is measured
+        self.measured_quiet = False  # nothing compiled in the measured step
         self.calibrated = False
         self.compiles = 0  # compiles of this step's graphs so far (a measured step has none)
         self.compiles_at_start = 0
@@ -235,18 +236,18 @@ class StepBudget:
             self.runs, self.current = self.current, []
             self.steps += 1
             self.replans = 0
-            quiet = self.compiles == self.compiles_at_start  # nothing compiled in the last step
             if self.measuring is not None:
-                self._calibrate(quiet)
+                self._calibrate()
             self._step_starts()
-            if not self.calibrated and quiet and self.budget is not None:
-                self._measure_this_step()
             self.compiles_at_start = self.compiles
+            if not self.calibrated and self.budget is not None:
+                self._measure_this_step()
         self.current.append(key)
 
     def _measure_this_step(self) -> None:
-        """Measure this step's peak (once, the first step after one that compiled nothing):
-        what the plans do not count, eager code's tensors between graphs, shows there."""
+        """Measure this step's peak (once, the first step after the one that compiled the
+        graphs in which nothing compiles): what the plans do not count, eager code's tensors
+        between graphs, shows there."""
         if self.meter is None:
             return
         self.calibrated = True
@@ -258,13 +259,15 @@ class StepBudget:
             return
         self.measuring = meter
 
-    def _calibrate(self, quiet: bool) -> None:
+    def _calibrate(self) -> None:
         """The measured step ended: what it allocated at its peak over the account's figure
         is eager code's, and counts from now on."""
         meter, self.measuring = self.measuring, None
+        quiet = self.measured_quiet and meter.ended_ns is not None
         meter.__exit__(None, None, None)
-        if not quiet or meter.result is None:
-            self.calibrated = False  # a compile inside it: measure a later step
+        if not quiet or meter.result is None:  # a compile inside it, or another meter's
+            # measurement took precedence: measure a later step
+            self.calibrated = False
             return
         predicted = self.account(start=0).peak
         unseen = max(0, int(meter.result.peak_bytes) - predicted)
@@ -281,7 +284,17 @@ class StepBudget:
                 return
 
     def _backward_hook(self, grad: torch.Tensor) -> None:
+        if not self.backward_seen and self.measuring is not None:
+            compat.at_backward_end(self._step_ends)
         self.backward_seen = True
+
+    def _step_ends(self) -> None:
+        """The backward of a measured step ended: so did the step (the profiler the CPU's
+        meter uses cannot stop inside a backward: it stops at the next forward, or when
+        another meter starts, and leaves out what came after this)."""
+        if self.measuring is not None:
+            self.measuring.step_ended()
+            self.measured_quiet = self.compiles == self.compiles_at_start
 
     def _step_starts(self) -> None:
         """Between two steps: measure the start level, take in Inductor's figures, and plan
