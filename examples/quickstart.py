@@ -1,10 +1,11 @@
 """Train a small GPT with ``backend="fxckpt"`` and print the plan and the memory it saved.
 
-    python examples/quickstart.py [--steps 5] [--stride 2] [--budget 0.3] [--offload auto]
+    python examples/quickstart.py [--steps 5] [--budget 0.5] [--offload auto]
 
-The same model is also trained with plain ``torch.compile`` (Inductor), and the bytes one
-forward of each leaves on the device for its backward are compared, measured by
-``fxckpt.measure`` (the allocator's figures, not the plan's).
+The same model is first trained with plain ``torch.compile`` (Inductor), and its step's
+absolute device peak is measured by ``fxckpt.measure`` (the allocator's figures, not a plan's).
+fxckpt then trains it under ``memory_budget`` = ``--budget`` of that peak, in bytes (or the
+bytes ``--budget`` gives, such as ``"40MiB"``), and its step's peak is measured the same way.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ class GPT(nn.Module):
         return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
 
 
-def held_after_forward(compiled, idx: torch.Tensor, tgt: torch.Tensor) -> int:
-    """Bytes one forward leaves allocated for its backward (the loss excluded), measured by
-    ``fxckpt.measure`` from the allocator: no plan is read."""
-    m = fxckpt.measure(compiled, idx, tgt)
-    m.output.backward()
-    return m.held_bytes
+def step_peak(compiled, model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> int:
+    """The absolute device peak of one warm training step (forward and backward), measured by
+    ``fxckpt.measure`` from the allocator: what the device held when it started (weights,
+    optimizer state, the batch) plus the most it allocated. No plan is read."""
+    model.zero_grad(set_to_none=True)
+    m = fxckpt.measure(lambda: compiled(idx, tgt).backward(), holding=(model, idx, tgt))
+    return m.absolute_peak_bytes
 
 
 def train(compiled, opt, steps: int, data) -> tuple[list[float], float]:
@@ -79,18 +81,14 @@ def train(compiled, opt, steps: int, data) -> tuple[list[float], float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--stride", type=int, default=2)
-    parser.add_argument(
-        "--budget", default="0.04", help="memory_budget: a fraction of plain min-cut, or '4MiB'"
-    )
+    parser.add_argument("--stride", type=int, default=None,
+                        help="segment_stride (default: unset, the planner chooses)")
+    parser.add_argument("--budget", default="0.5",
+                        help="memory_budget: a share of plain torch.compile's measured step "
+                             "peak, such as 0.5, or bytes such as '40MiB'")
     parser.add_argument("--offload", default="auto", choices=["auto", "never", "all"])
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
-    budget: object = args.budget
-    try:
-        budget = float(args.budget) if "." in args.budget else int(args.budget)
-    except ValueError:
-        pass  # a byte string such as "4MiB"; fxckpt parses it
 
     torch.manual_seed(0)
     model = GPT()
@@ -101,21 +99,24 @@ if __name__ == "__main__":
         idx = torch.randint(0, 512, (4, args.seq), generator=g)
         data.append((idx, torch.roll(idx, -1, 1)))
 
-    options = {
-        "segment_stride": args.stride,
-        "memory_budget": budget,
-        "offload": args.offload,
-        "min_offload_bytes": 0,
-    }
+    mib = 2**20
+    plain = torch.compile(baseline_model)
+    pl_losses, pl_step = train(plain, torch.optim.SGD(baseline_model.parameters(), lr=0.1),
+                               args.steps, data)
+    plain_peak = step_peak(plain, baseline_model, *data[0])  # warm: compiled by now
+    budget: object = args.budget
+    try:
+        budget = int(float(args.budget) * plain_peak) if "." in args.budget else int(args.budget)
+    except ValueError:
+        pass  # a byte string such as "40MiB"; fxckpt parses it
+
+    options: dict[str, object] = {"memory_budget": budget, "offload": args.offload}
+    if args.stride is not None:
+        options["segment_stride"] = args.stride
     print(f"fxckpt {fxckpt.__version__}, torch {torch.__version__}; options {options}")
     fx_model = torch.compile(model, backend="fxckpt", options=options)
-    plain = torch.compile(baseline_model)
-
     fx_losses, fx_step = train(fx_model, torch.optim.SGD(model.parameters(), lr=0.1), args.steps, data)
-    pl_losses, pl_step = train(plain, torch.optim.SGD(baseline_model.parameters(), lr=0.1), args.steps, data)
-    stats = fxckpt.stats()
-    fx_saved = held_after_forward(fx_model, *data[0])  # warm: both compiled by now
-    plain_saved = held_after_forward(plain, *data[0])
+    fx_peak = step_peak(fx_model, model, *data[0])
 
     for plan in fxckpt.last_plans():
         print(plan.summary())
@@ -130,11 +131,11 @@ if __name__ == "__main__":
                 print(f"  {row.name:<14} {row.module or '-':<16} {row.bytes:>9} B  {row.decision.reason}")
     print(f"losses  fxckpt {' '.join(f'{v:.4f}' for v in fx_losses)}")
     print(f"losses  plain  {' '.join(f'{v:.4f}' for v in pl_losses)}")
-    mib = 2**20
+    limit = fxckpt.Options(memory_budget=budget).resolve_budget()
     print(
-        f"left on the device by a forward (measured): plain torch.compile {plain_saved / mib:.2f} "
-        f"MiB, fxckpt {fx_saved / mib:.2f} MiB ({100 * (1 - fx_saved / plain_saved):.0f}% less); "
-        f"planned: {stats['planned_kept_bytes'] / mib:.2f} MiB kept; "
-        f"offloaded {stats['offloaded_bytes'] / mib:.2f} MiB over {args.steps} steps"
+        f"step peak (measured, weights and batch included): plain torch.compile "
+        f"{plain_peak / mib:.2f} MiB, fxckpt {fx_peak / mib:.2f} MiB "
+        f"({100 * (1 - fx_peak / plain_peak):.0f}% less), under memory_budget "
+        f"{(limit or 0) / mib:.2f} MiB"
     )
     print(f"step time after the first: fxckpt {fx_step * 1e3:.0f} ms, plain {pl_step * 1e3:.0f} ms")

@@ -22,16 +22,11 @@ if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
     raise ImportError(f"fxckpt supports torch >=2.11,<2.16; found torch {torch.__version__}. "
                       "Install a supported torch, for example `pip install torch==2.13.0`.")
 
-# Partitioning.
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402, F401
-
-# aot_eager's no-op compiler, whose graph lets go of each input at its last use.
-from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402, F401
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402, F401  (lets go of inputs)
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402, F401
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402, F401
-
-# Graph hygiene.
 from torch.fx.node import has_side_effect  # noqa: E402, F401
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 

@@ -156,21 +156,30 @@ def test_a_replan_of_static_graphs_keeps_one_plan_per_length(always: None) -> No
 def test_the_budget_holds_before_during_and_after_a_replan(always: None) -> None:
     torch.manual_seed(0)
     model = GPT(d=64, heads=4, n_layers=4)
-    # a plan that offloads part and recomputes part of what min-cut saves
-    options = {"compiler": "eager", "memory_budget": 0.4, "bandwidth": "3.2GB/s"}
+    # The step's absolute peak (parameters and batch, 0.8 MiB, included): a plan that
+    # offloads part and recomputes part of what min-cut saves.
+    budget = int(6.5 * 2**20)
+    options = {"compiler": "eager", "memory_budget": "6.5MiB", "bandwidth": "3.2GB/s"}
     compiled = torch.compile(model, backend=fxckpt.backend(**options))
     inputs = gpt_inputs(seq=128)
-    held, steps_ = [], []
+    peaks, steps_ = [], []
     for _ in range(6):
-        m = fxckpt.measure(lambda: compiled(*inputs))  # a re-plan compiles inside it
-        m.output.backward()
-        held.append(m.held_bytes)
+        model.zero_grad(set_to_none=True)  # each step starts from the same level
+        # The whole step, as memory_budget counts it; a re-plan compiles inside it (behind
+        # the emulated link no probe runs at compile time).
+        m = fxckpt.measure(lambda: compiled(*inputs).backward(), holding=(model, inputs))
+        assert m.peak_bytes > 0, m
+        peaks.append(m.absolute_peak_bytes)
         steps_.append(fxckpt.stats()["replans"])
-    budgets = {p.name: p.budget_bytes for p in fxckpt.last_plans()}
+    plans = fxckpt.last_plans()
     assert fxckpt.stats()["replans"] >= 1, steps_
-    (budget,) = set(budgets.values())  # the re-plan keeps the compile's budget
-    assert budget is not None
-    assert all(0 < h <= budget for h in held), (held, budget)
+    assert len(plans) == 1 + fxckpt.stats()["replans"], [p.name for p in plans]
+    assert {a.decision.kind for a in plans[0].activations} >= {"offload", "recompute"}
+    # The re-plan keeps the compile's budget, and every plan predicts a step within it.
+    assert {p.budget_bytes for p in plans} == {budget}
+    for p in plans:
+        assert p.step is not None and p.step["total_bytes"] <= budget, (p.name, p.step)
+    assert all(0 < peak <= budget for peak in peaks), (peaks, budget)
 
 
 def test_stats_count_each_graphs_copies_on_the_emulated_link() -> None:

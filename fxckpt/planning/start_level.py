@@ -11,6 +11,7 @@ the state of any optimizer handed to :func:`watch`.
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+
+log = logging.getLogger(__name__)
 
 
 class StartLevel:
@@ -76,6 +79,67 @@ def _storages(tensors: Any, device: torch.device) -> int:
             storage = t.untyped_storage()
             seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
+
+
+class EagerBytes:
+    """What eager code between a step's graphs holds at the step's peak (an embedding or a
+    loss dynamo left out of every graph, a key/value cache): in no graph's plan, so measured.
+
+    Once, the first step in which nothing compiles is measured whole by ``meter`` (a factory
+    of :class:`fxckpt.meter.Meter`, made for this: another meter the user starts takes
+    precedence, and this one measures a later step); its peak over what the graphs' plans
+    predict for the step is :attr:`bytes`, which the start level counts from then on. The
+    meter ends where the step's backward ended (torch's profiler, the CPU's meter, cannot
+    stop inside a backward: it stops at the next forward, or when another meter starts, and
+    leaves out what came after)."""
+
+    def __init__(self, meter: Callable[[torch.device], Any] | None) -> None:
+        self.meter = meter
+        self.bytes = 0
+        self.done = meter is None
+        self._running: Any = None
+        self._quiet = False
+
+    @property
+    def measuring(self) -> bool:
+        return self._running is not None
+
+    def measure(self, device: torch.device) -> None:
+        """A step starts: measure it, unless one was measured already."""
+        if self.done or self.meter is None or self._running is not None:
+            return
+        self.done = True
+        meter = self.meter(device)
+        try:
+            meter.__enter__()
+        except Exception:  # a profiler of the user's own is recording: measure nothing
+            return
+        self._running = meter
+
+    def step_ended(self, *, quiet: bool) -> None:
+        """The measured step's backward ended; ``quiet``: nothing compiled in it."""
+        if self._running is not None:
+            self._running.step_ended()
+            self._quiet = quiet
+
+    def measured(self, predicted: int) -> None:
+        """The next step starts: what the measured one allocated at its peak over
+        ``predicted`` (the graphs' plans' figure, start level left out) is eager code's."""
+        meter, self._running = self._running, None
+        quiet = self._quiet and meter.ended_ns is not None
+        meter.__exit__(None, None, None)
+        if not quiet or meter.result is None:  # a compile inside it, or the user's own meter
+            self.done = False  # measure a later step
+            return
+        unseen = max(0, int(meter.result.peak_bytes) - predicted)
+        if unseen > _NOISE:
+            log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
+                     "count (eager code between graphs); counted from now on", unseen)
+            self.bytes = unseen
+
+
+# Less than this over the plans' figure is the allocator's noise, not eager code's tensors.
+_NOISE = 4096
 
 
 def _compiling_module() -> Any:

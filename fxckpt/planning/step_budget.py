@@ -60,7 +60,13 @@ from fxckpt.planning.account import (
     targets,
 )
 from fxckpt.planning.plan_round import hints
-from fxckpt.planning.start_level import StartLevel, alive, new_gradients, storage_bytes
+from fxckpt.planning.start_level import (
+    EagerBytes,
+    StartLevel,
+    alive,
+    new_gradients,
+    storage_bytes,
+)
 from fxckpt.planning.step_graphs import (
     Graph,
     Ticket,
@@ -91,18 +97,10 @@ class StepBudget:
                  held: Callable[[Any, torch.device], int] | None = None,
                  meter: Callable[[torch.device], Any] | None = None) -> None:
         self.options = options
-        # A meter of one whole step (fxckpt.meter.Meter: a context manager whose result's
-        # peak_bytes is the most the step allocated), for the calibration below; None: none.
-        self.meter = meter
-        self.measuring: Any = None  # the meter of the step in progress, if it is measured
-        self.measured_quiet = False  # nothing compiled in the measured step
-        self.calibrated = False
+        self.eager = EagerBytes(meter)  # what eager code between graphs holds, measured once
         self.compiles = 0  # compiles of this step's graphs so far (a measured step has none)
+        self.compiling: object | None = None  # the graph whose first compile runs now
         self.compiles_at_start = 0
-        # What the measured step allocated at its peak that no graph's plan counts (eager code
-        # between graphs: an embedding or a loss dynamo left out of every graph), added to
-        # the start level from then on.
-        self.unseen = 0
         # A plan's forward and backward peaks in the compiler's own schedule, once known
         # (Inductor's: fxckpt.passes.inductor_peak.step_peak_parts), else None.
         self.scheduled = scheduled
@@ -127,14 +125,18 @@ class StepBudget:
         return self._budget
 
     def sequence(self) -> tuple[list[object], list[GraphFigures]]:
-        """The runs the account adds up: the last whole step's, else those so far."""
+        """The runs the account adds up: the last whole step's, else those so far and the
+        graph compiling now (its first run comes right after its compile)."""
         keys = list(self.runs or self.current)
-        return keys, [self.graphs[k].figures() for k in keys if k in self.graphs]
+        if not self.runs and self.compiling is not None and self.compiling not in keys:
+            keys.append(self.compiling)
+        keys = [k for k in keys if k in self.graphs]
+        return keys, [self.graphs[k].figures() for k in keys]
 
     @property
     def level(self) -> int:
         """The start level the plans count: measured, and what eager code was seen to add."""
-        return self.start_bytes + self.unseen
+        return self.start_bytes + self.eager.bytes
 
     def account(self, start: int | None = None) -> Account:
         keys, figures = self.sequence()
@@ -211,7 +213,11 @@ class StepBudget:
 
             entry.recompile = recompile
         if entry.over > 0:
-            self._settle(key)
+            self.compiling = key
+            try:
+                self._settle(key)
+            finally:
+                self.compiling = None
         return self._runner(holder, key)
 
     def _runner(self, holder: list[Any], key: object) -> Any:
@@ -236,46 +242,13 @@ class StepBudget:
             self.runs, self.current = self.current, []
             self.steps += 1
             self.replans = 0
-            if self.measuring is not None:
-                self._calibrate()
+            if self.eager.measuring:
+                self.eager.measured(self.account(start=0).peak)
             self._step_starts()
             self.compiles_at_start = self.compiles
-            if not self.calibrated and self.budget is not None:
-                self._measure_this_step()
+            if self.budget is not None:
+                self.eager.measure(self.start.device)
         self.current.append(key)
-
-    def _measure_this_step(self) -> None:
-        """Measure this step's peak (once, the first step after the one that compiled the
-        graphs in which nothing compiles): what the plans do not count, eager code's tensors
-        between graphs, shows there."""
-        if self.meter is None:
-            return
-        self.calibrated = True
-        meter = self.meter(self.start.device)
-        try:
-            meter.__enter__()
-        except Exception as e:  # a profiler of the user's own is recording: measure nothing
-            log.debug("fxckpt: the step is not measured: %s", e)
-            return
-        self.measuring = meter
-
-    def _calibrate(self) -> None:
-        """The measured step ended: what it allocated at its peak over the account's figure
-        is eager code's, and counts from now on."""
-        meter, self.measuring = self.measuring, None
-        quiet = self.measured_quiet and meter.ended_ns is not None
-        meter.__exit__(None, None, None)
-        if not quiet or meter.result is None:  # a compile inside it, or another meter's
-            # measurement took precedence: measure a later step
-            self.calibrated = False
-            return
-        predicted = self.account(start=0).peak
-        unseen = max(0, int(meter.result.peak_bytes) - predicted)
-        if unseen > HEADROOM:
-            log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
-                     "count (eager code between graphs); counted from now on",
-                     format_bytes(unseen))
-            self.unseen = unseen
 
     def _arm(self, out: Any) -> None:
         for leaf in pytree.tree_leaves(out):
@@ -284,17 +257,13 @@ class StepBudget:
                 return
 
     def _backward_hook(self, grad: torch.Tensor) -> None:
-        if not self.backward_seen and self.measuring is not None:
+        if not self.backward_seen and self.eager.measuring:
             compat.at_backward_end(self._step_ends)
         self.backward_seen = True
 
     def _step_ends(self) -> None:
-        """The backward of a measured step ended: so did the step (the profiler the CPU's
-        meter uses cannot stop inside a backward: it stops at the next forward, or when
-        another meter starts, and leaves out what came after this)."""
-        if self.measuring is not None:
-            self.measuring.step_ended()
-            self.measured_quiet = self.compiles == self.compiles_at_start
+        """The backward of a measured step ended: so did the step."""
+        self.eager.step_ended(quiet=self.compiles == self.compiles_at_start)
 
     def _step_starts(self) -> None:
         """Between two steps: measure the start level, take in Inductor's figures, and plan

@@ -193,7 +193,7 @@ class Ticket:
 
     def notes(self) -> list[str]:
         e, step = self.entry, self.step
-        if e.target is None:
+        if e.target is None or step.budget is None:  # a fraction's note is the plan's own
             return []
         if self.fixed is not None:
             return [f"step budget: planned again for the step: forward within "

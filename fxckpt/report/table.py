@@ -78,7 +78,7 @@ class Totals:
     host_bytes: int
     disk_bytes: int
     est_overhead_ms: float
-    over_budget: tuple[str, ...]  # names of graphs whose resident peak exceeds their budget
+    over_budget: tuple[str, ...]  # names of graphs whose predicted step peak exceeds the budget
 
 
 def totals(plans: Sequence[Plan]) -> Totals:
@@ -99,7 +99,8 @@ def totals(plans: Sequence[Plan]) -> Totals:
         over_budget=tuple(
             p.name
             for p in plans
-            if p.budget_bytes is not None and p.resident_peak_bytes > p.budget_bytes
+            if p.budget_bytes is not None and p.step is not None
+            and p.step["total_bytes"] > p.budget_bytes
         ),
     )
 
@@ -113,12 +114,21 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         return f"{human_bytes(n)} ({100 * n / base:.0f}% of baseline)" if base else human_bytes(n)
 
     budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
-    budget = human_bytes(sum(budgets)) if budgets else "none"
+    budget = human_bytes(max(budgets)) if budgets else "none"
+    steps = [p.step for p in plans if p.step is not None]
     items = [
         ("graphs", str(len(plans))),
         ("baseline saved (plain min-cut)", human_bytes(base)),
-        ("budget", budget),
-        ("resident peak (plan)", share(t.resident_peak_bytes)),
+        ("budget (the step's device peak)", budget),
+    ]
+    if steps:
+        top = max(steps, key=lambda st: st["total_bytes"])
+        items.append(("predicted step peak", f"{human_bytes(top['total_bytes'])}: start "
+                      f"{human_bytes(top['start_bytes'])}, gradients "
+                      f"{human_bytes(top['gradients_bytes'])}, activations "
+                      f"{human_bytes(top['activations_bytes'])}"))  # fmt: skip
+    items += [
+        ("saved activations at their peak (plan)", share(t.resident_peak_bytes)),
         ("offloaded to host", share(t.host_bytes)),
         ("offloaded to disk", share(t.disk_bytes)),
         ("recomputed", share(t.recomputed_bytes)
@@ -141,9 +151,9 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
     for line in sorted(assumed):  # the cost model's figures and where each came from
         items.append(("assumed", line))
     for p in plans:
-        if p.name in t.over_budget and p.budget_bytes is not None:
-            items.append(("OVER BUDGET", f"graph {p.name} peaks at "
-                          f"{human_bytes(p.resident_peak_bytes)} > {human_bytes(p.budget_bytes)}; "
+        if p.name in t.over_budget and p.budget_bytes is not None and p.step is not None:
+            items.append(("OVER BUDGET", f"with graph {p.name} the step peaks at "
+                          f"{human_bytes(p.step['total_bytes'])} > {human_bytes(p.budget_bytes)}; "
                           "showing the smallest plan found"))  # fmt: skip
     return items
 
