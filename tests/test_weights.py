@@ -4,11 +4,13 @@ use inside the compiled graph, with the training step equal to eager's."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 
 import pytest
 import torch
 import torch.nn as nn
+from measured import measure_absolute_step
 
 import fxckpt
 from fxckpt.errors import OptionsError, RuntimeCopyError
@@ -304,6 +306,8 @@ def test_the_default_min_bytes_is_relaxed_with_a_warning_when_it_leaves_nothing(
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_under_inductor_streamed_weights_train_like_eager() -> None:
+    # Room for about half the frozen base's copies beside the all-streamed step (eager's).
+    budget = _all_streamed(rows=8, lora=True).absolute_peak_bytes + 4 * 64 * 64 * 4
     torch.manual_seed(0)
     engine.configure(copy_delay_s=0.001, poison_fresh=True)
     _assert_matches_eager(Blocks(lora=True), {}, frozen_only=True)
@@ -311,40 +315,94 @@ def test_under_inductor_streamed_weights_train_like_eager() -> None:
     # Some weights kept on the device across steps, some streamed: a kept copy is an extern
     # kernel's output that Inductor must neither reuse nor write into (three steps read it).
     torch._dynamo.reset()
-    _assert_matches_eager(Blocks(), {"device_budget": 9 * 64 * 64 * 4}, steps=3)
+    _assert_matches_eager(Blocks(lora=True), {"memory_budget": budget}, frozen_only=True, steps=3)
     plan = fxckpt.last_plans()[-1]
     assert {w.decision for w in plan.weights} == {"resident", "stream"}
 
 
-def test_device_budget_bounds_saved_activations_and_weight_copies_together() -> None:
-    """device_budget = the weights' reserve (3x the largest streamed weight) + room for the saved
-    activations: the forward leaves at most that room on the device, measured."""
+def _streamed_blocks(lora: bool = False) -> tuple[nn.Module, nn.Module, fxckpt.StreamedWeights]:
+    """The test blocks (seed 0) with every parameter streamed (LoRA: its frozen base only), and
+    an eager copy made before."""
     torch.manual_seed(0)
-    model = Blocks()
-    reserve = 3 * 64 * 64 * 4
-    x = torch.randn(8, 64, requires_grad=True)
-    plain = torch.compile(copy.deepcopy(model), backend="fxckpt", options={"compiler": "eager"})
-    baseline = fxckpt.measure(plain, x).held_bytes
+    model = Blocks(lora=lora)
+    ref = copy.deepcopy(model)
+    return model, ref, fxckpt.stream_weights(model, min_bytes=0, frozen_only=lora)
+
+
+def _measured_step(options: dict, *, rows: int = 64, lora: bool = False
+                   ) -> tuple[fxckpt.Measurement, nn.Module, fxckpt.StreamedWeights]:
+    """A training step of the streamed blocks compiled with ``options`` (``compiler="eager"``),
+    measured as ``memory_budget`` counts it (tests/measured.py: warm steps first, gradients
+    dropped, the model and the batch as what the device holds when it starts); the measured
+    step's gradients equal eager's."""
+    model, ref, streamed = _streamed_blocks(lora)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", **options})
+    measured = measure_absolute_step(compiled, model, (x,))
+    ref(x).backward()
+    grads = {_plain(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == want.keys() and grads
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, msg=lambda m, n=name: f"{n}: {m}")
+    return measured, model, streamed
+
+
+@functools.cache
+def _all_streamed(rows: int = 64, lora: bool = False) -> fxckpt.Measurement:
+    """The step measured with every weight streamed and no budget: what a budget is set from."""
     torch._dynamo.reset()
-    room = baseline // 3
-    fxckpt.stream_weights(model, min_bytes=0)
-    options = {"compiler": "eager", "device_budget": reserve + room, "on_infeasible": "warn"}
-    compiled = torch.compile(model, backend="fxckpt", options=options)
-    held = fxckpt.measure(compiled, x)
-    assert 0 < held.held_bytes <= room, (held.held_bytes, room, baseline)
-    held.output.backward()
-    (plan,) = [p for p in fxckpt.last_plans() if p.budget_bytes is not None]
-    assert plan.budget_bytes == room
+    measured = _measured_step({}, rows=rows, lora=lora)[0]
+    torch._dynamo.reset()
+    gc.collect()  # the model's host weights, and with them any device copy kept for them
+    fxckpt.reset_stats()
+    return measured
 
 
-def test_a_device_budget_the_weights_alone_fill_is_a_typed_error_naming_the_least() -> None:
-    model = Blocks()
-    fxckpt.stream_weights(model, min_bytes=0)
-    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": 4096})
-    with pytest.raises(Exception, match=r"device_budget.*more than 32768 bytes"):
-        compiled(torch.randn(8, 64, requires_grad=True))
-    with pytest.raises(OptionsError, match="device_budget"):
-        fxckpt.Options(device_budget=0.5)
+_NO_ROOM_FOR_TWO = "ignore:fxckpt.*no room for two streamed weights' copies:UserWarning"
+
+
+@pytest.mark.filterwarnings(_NO_ROOM_FOR_TWO)
+@pytest.mark.parametrize("fraction", [1.2, 0.9])
+def test_memory_budget_bounds_the_measured_step_with_its_streamed_weights(fraction: float) -> None:
+    """memory_budget in bytes, set from the all-streamed step's measured peak: above it, the
+    room keeps weights' copies on the device, and the kept copies are in what the step starts
+    with; below it, the plan makes the step smaller. Either way the step measured whole (the
+    kept copies, the streamed ones in flight, the saved activations, the gradients) stays
+    within the budget, and trains like eager."""
+    plain = _all_streamed()
+    budget = int(fraction * plain.absolute_peak_bytes)
+    measured, _, _ = _measured_step({"memory_budget": budget})
+    assert measured.absolute_peak_bytes <= budget, (measured, budget, plain)
+    plan = fxckpt.last_plans()[-1]
+    assert plan.budget_bytes == budget
+    kept = [w for w in plan.weights if w.decision == "resident"]
+    if fraction > 1:
+        assert kept and measured.start_bytes >= plain.start_bytes + plan.resident_weight_bytes
+    else:
+        assert not kept and measured.start_bytes == plain.start_bytes
+
+
+@pytest.mark.filterwarnings(_NO_ROOM_FOR_TWO)
+def test_a_memory_budget_below_the_floor_is_a_budget_error_whose_smallest_budget_runs_within_it() -> None:
+    """Half the all-streamed step is below the lowest plan: the first step raises BudgetError
+    (dynamo wraps it: its inner_exception) naming the smallest budget, which, written back,
+    runs, holds and trains like eager."""
+    from fxckpt.errors import BudgetError
+
+    budget = _all_streamed().absolute_peak_bytes // 2
+    model, _, _ = _streamed_blocks()
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "memory_budget": budget})
+    with pytest.raises(Exception, match=r"cannot meet memory_budget") as info:
+        compiled(torch.randn(64, 64)).backward()
+    err = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(err, BudgetError), err
+    assert err.scope == "step" and err.budget_bytes == budget < err.smallest_bytes
+    assert f"memory_budget={err.smallest_bytes}" in str(err) and "device_budget" not in str(err)
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    measured, _, _ = _measured_step({"memory_budget": err.smallest_bytes})
+    assert measured.absolute_peak_bytes <= err.smallest_bytes, (measured, err.smallest_bytes)
 
 
 def test_a_host_weight_dying_while_the_registry_is_locked_does_not_deadlock() -> None:
@@ -375,14 +433,14 @@ def _plan_weights() -> list:
     return plan.weights
 
 
-def test_a_device_budget_with_room_keeps_weights_resident_and_refills_them_after_the_optimizer() -> None:
+def test_a_memory_budget_with_room_keeps_every_weight_resident_and_refills_it_after_the_optimizer() -> None:
     """Room enough for every weight: each is copied once, kept across steps, and copied again
     only after the optimizer writes it; training equals eager's, optimizer steps included."""
     torch.manual_seed(0)
     model = Blocks()
     ref = copy.deepcopy(model)
     streamed = fxckpt.stream_weights(model, min_bytes=0)
-    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": "8MiB"})
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "memory_budget": "8MiB"})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for i in range(3):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
@@ -410,83 +468,73 @@ def test_a_device_budget_with_room_keeps_weights_resident_and_refills_them_after
         torch.testing.assert_close(p, q, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_tight_device_budget_keeps_the_weights_the_room_holds_and_streams_the_rest() -> None:
-    torch.manual_seed(0)
-    model = Blocks()
-    x = torch.randn(8, 64, requires_grad=True)
-    fxckpt.stream_weights(model, min_bytes=0)
-    weight = 64 * 64 * 4
-    # Room for the saved activations (all kept: about 16 KiB here), the copies in flight (3
-    # weights) and about three more weights kept.
-    budget = 3 * weight + 6 * weight
-    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": budget})
-    compiled(x).backward()
-    (plan,) = fxckpt.last_plans()
+def test_a_tight_memory_budget_keeps_the_weights_the_room_holds_and_streams_the_rest() -> None:
+    """A LoRA model's frozen base streamed, under the all-streamed step's measured peak plus
+    half the base's bytes: room for some of the base's copies, not all. The plan keeps what
+    fits and streams the rest; each step copies exactly the streamed weights' uses, and the
+    step measured whole stays within the budget."""
+    plain = _all_streamed(rows=8, lora=True)
+    model, _, streamed = _streamed_blocks(lora=True)
+    budget = plain.absolute_peak_bytes + streamed.nbytes // 2
+    x = torch.randn(8, 64)
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "memory_budget": budget})
+    measured = measure_absolute_step(compiled, model, (x,))
+    assert measured.absolute_peak_bytes <= budget, (measured, budget, plain)
+    plan = fxckpt.last_plans()[-1]
     kinds = [w.decision for w in plan.weights]
     assert "resident" in kinds and "stream" in kinds, [w.reason for w in plan.weights]
-    streamed = [w for w in plan.weights if w.decision == "stream"]
-    # What the plan keeps fits beside the saved activations and the streamed copies in flight.
-    assert (plan.resident_peak_bytes + plan.resident_weight_bytes + 3 * max(w.bytes for w in streamed)
-            <= budget)  # fmt: skip
+    assert {w.parameter for w in plan.weights} == set(streamed.names)
     # Every use of a streamed weight is a copy each step; a resident one moves nothing.
     fxckpt.reset_stats()
+    model.zero_grad(set_to_none=True)
     compiled(x).backward()
+    stream = [w for w in plan.weights if w.decision == "stream"]
     assert fxckpt.stats()["weight_h2d_bytes"] == plan.weight_h2d_bytes
-    assert plan.weight_h2d_bytes == sum(w.bytes * (w.forward_uses + w.backward_uses) for w in streamed)
-    # The weights used in both passes go first, the earliest first: the four streamed ones are
-    # weights of the later blocks (the small biases, used once, fit in what is left).
-    assert [w.parameter for w in streamed] == [f"blocks.{b}.{i}.weight" for b in (2, 3) for i in (0, 2)]
-    assert {w.parameter for w in plan.weights} == {n.replace(".parametrizations", "").replace(".original", "")
-                                                   for n, _ in model.named_parameters()}  # fmt: skip
+    assert plan.weight_h2d_bytes == sum(w.bytes * (w.forward_uses + w.backward_uses) for w in stream) > 0
+    # The base weights are all used in both passes and of one size: the plan keeps the
+    # earliest in the forward (their copies have no compute before them to hide behind).
+    bases = [w.decision for w in plan.weights if w.bytes == 64 * 64 * 4]
+    assert len(bases) == 8 and bases == sorted(bases), bases  # "resident" < "stream"
     # The rows round-trip through the plan's JSON.
     assert fxckpt.Plan.from_dict(plan.to_dict()).weights == plan.weights
 
 
-def test_a_device_budget_too_small_for_the_activations_names_device_budget() -> None:
-    """The weights' copies fit, the saved activations cannot reach what is left: the error
-    names the option the user set (device_budget), not memory_budget they never wrote."""
-    from fxckpt.errors import BudgetError
+@pytest.mark.xfail(strict=True, reason="suspected source bug: a re-plan under memory_budget "
+                   "streams weights whose copies an earlier plan kept, and those copies stay on "
+                   "the device (fxckpt.runtime.weight_ops._RESIDENT drops them only with the host "
+                   "weight), counted in the start level the re-plan plans from")  # fmt: skip
+def test_the_device_keeps_only_the_copies_the_plan_keeps() -> None:
+    """What a warm step starts with: the step's own start (the adapters, the batch) and the
+    copies of the weights the plan in force keeps, no more."""
+    plain = _all_streamed(rows=8, lora=True)
+    model, _, streamed = _streamed_blocks(lora=True)
+    budget = plain.absolute_peak_bytes + streamed.nbytes // 2
+    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "memory_budget": budget})
+    measured = measure_absolute_step(compiled, model, (torch.randn(8, 64),))
+    plan = fxckpt.last_plans()[-1]
+    kept = sum(t.nbytes for t in weight_ops.resident_copies())
+    assert (kept, measured.start_bytes) == (plan.resident_weight_bytes,
+                                            plain.start_bytes + plan.resident_weight_bytes)  # fmt: skip
 
-    model = Blocks()
-    fxckpt.stream_weights(model, min_bytes=0)
-    reserve = 2 * 64 * 64 * 4  # the least: the weight in use and the next on its way
-    compiled = torch.compile(model, backend="fxckpt", options={"compiler": "eager", "device_budget": reserve + 64})
-    with pytest.raises(Exception, match=r"cannot meet device_budget: it leaves the saved activations 64 bytes") as info, \
-            pytest.warns(UserWarning, match="one weight ahead"):
-        compiled(torch.randn(8, 64, requires_grad=True))
-    inner = getattr(info.value, "inner_exception", info.value)
-    assert isinstance(inner, BudgetError) and "Raise device_budget" in str(inner)
-    assert "memory_budget" not in str(inner)
 
-
-def test_a_device_budget_without_room_for_the_default_lead_prefetches_one_weight_ahead(
+def test_a_memory_budget_without_room_for_two_copies_on_their_way_prefetches_one_weight_ahead(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default lead (two weights on their way) is not the user's constraint: a budget
-    with no room beside it is served one weight ahead, with a warning, and trains like eager."""
+    """The default lead (two weights' copies on their way) is not the user's constraint: a
+    budget of the all-streamed step's own measured peak leaves no room for it beside the
+    plan's peak, and is served one weight ahead, with a warning; the step trains like eager
+    and, measured, stays within the budget."""
     import fxckpt.passes.weights as weights
 
+    plain = _all_streamed(rows=8)
     leads = []
     real = weights.schedule_streams
     monkeypatch.setattr(weights, "schedule_streams", lambda gm, p, lead=None, **k: leads.append(lead) or real(gm, p, lead, **k))
     weight = 64 * 64 * 4
-    torch.manual_seed(0)
-    model = Blocks()
+    budget = plain.absolute_peak_bytes
     with pytest.warns(UserWarning, match="one weight ahead"):
-        _assert_matches_eager(model, {"compiler": "eager", "device_budget": 3 * weight - 1024,
-                                      "on_infeasible": "warn"})  # fmt: skip
-    (plan,) = fxckpt.last_plans()
-    assert plan.budget_bytes == weight - 1024  # what two weights' copies leave
+        measured, _, _ = _measured_step({"memory_budget": budget}, rows=8)
+    assert measured.absolute_peak_bytes <= budget, (measured, plain)
+    plan = fxckpt.last_plans()[-1]
+    assert plan.budget_bytes == budget
     assert all(w.decision == "stream" for w in plan.weights if w.bytes == weight)  # biases may stay
     assert leads and set(leads) == {weight}  # one weight's bytes on their way: the next one
-
-
-def test_a_device_budget_whose_activations_need_the_third_copys_room_is_planned_one_weight_ahead() -> None:
-    """Beside three copies (the default lead) the saved activations would get 64 bytes, below
-    the smallest plan: the graph is planned again with the copies one weight ahead, which
-    leaves them a weight's bytes more, with a warning, instead of a BudgetError."""
-    weight = 64 * 64 * 4
-    torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="too little beside three"):
-        _assert_matches_eager(Blocks(), {"compiler": "eager", "device_budget": 3 * weight + 64})
-    plan = fxckpt.last_plans()[-1]
-    assert plan.budget_bytes == weight + 64 and plan.resident_peak_bytes <= plan.budget_bytes

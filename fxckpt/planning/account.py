@@ -176,6 +176,6 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
     assert held is not None
     if len(mine) == 1:  # one run: the two phases need not share a figure for what it keeps
         j = mine[0]
-        return PeakTarget(budget - start - before[j] - own.inputs,
-                          budget - start - before[j] - own.saved_inputs - after_grads[j])
+        return PeakTarget(max(1, budget - start - before[j] - own.inputs),
+                          max(1, budget - start - before[j] - own.saved_inputs - after_grads[j]))
     return PeakTarget(max(1, held + fw_set), max(1, held + bw_set), max(0, held))

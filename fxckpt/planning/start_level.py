@@ -97,6 +97,7 @@ class EagerBytes:
         self.meter = meter
         self.bytes = 0
         self.done = meter is None
+        self.known = meter is None  # measured (or nothing to measure with)
         self._running: Any = None
         self._quiet = False
 
@@ -131,6 +132,7 @@ class EagerBytes:
         if not quiet or meter.result is None:  # a compile inside it, or the user's own meter
             self.done = False  # measure a later step
             return
+        self.known = True
         unseen = max(0, int(meter.result.peak_bytes) - predicted)
         if unseen > _NOISE:
             log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "

@@ -286,7 +286,9 @@ class StepBudget:
             return
         self.replanning_steps += 1
         self._rebalance()
-        if not self.fits() and not self.verdict_given:
+        # The verdict names the smallest budget: it waits for what eager code holds to be
+        # measured (the step after the graphs compiled), else it would name too little.
+        if not self.fits() and not self.verdict_given and (self.eager.known or self.steps > 2):
             self.verdict(None)
 
     def _rebalance(self) -> None:
@@ -317,25 +319,13 @@ class StepBudget:
 
     def _settle(self, key: object) -> None:
         """Graph ``key`` missed its target at its lowest plan: the graphs before it in this
-        step plan again for less, largest holder first (bounded by :data:`MAX_REPLANS`); a
-        byte budget still missed raises (later graphs only add to the step)."""
-        graph = self.graphs[key]
-        keys = list(self.current)
-        before = [k for k in dict.fromkeys(keys) if k != key and k in self.graphs]
-        for k in sorted(before, key=lambda k: -self.graphs[k].held):
-            if graph.over <= 0 or self.replans >= MAX_REPLANS:
-                break
-            g = self.graphs[k]
-            if g.recompile is None or g.lowest or g.held <= 0:
-                continue
-            self.replans += 1
-            runs = keys.count(k)
-            target = PeakTarget(max(1, g.forward_peak - graph.over),
-                                max(1, g.backward_peak - (graph.over + runs - 1) // runs))
-            g.recompile(target)
-            graph.over = max(0, graph.over - (g.held - self.graphs[k].held) * runs)
-        if self.budget is not None and not self.fits() and graph.lowest:
-            self.verdict(graph.label)
+        step plan again for what the step now leaves them (:meth:`_rebalance`). Where it is
+        the step's first graph, the step can only hold more: a byte budget it misses raises
+        now; otherwise the verdict waits for the step's end, when its runs are known."""
+        first = not self.current
+        self._rebalance()
+        if first and self.budget is not None and not self.fits() and self.graphs[key].lowest:
+            self.verdict(self.graphs[key].label)
 
     def verdict(self, graph: str | None) -> None:
         """Raise (or warn) that the step cannot meet its budget, naming the smallest budget
