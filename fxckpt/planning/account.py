@@ -83,8 +83,11 @@ class Account:
                 "activations_bytes": self.activations, "total_bytes": self.peak}
 
 
-def compose(start: int, runs: Sequence[GraphFigures]) -> Account:
-    """The step's peak over its runs, in forward order (see the module's docstring)."""
+def compose(start: int, runs: Sequence[GraphFigures], gradients: int = 0) -> Account:
+    """The step's peak over its runs, in forward order (see the module's docstring).
+
+    ``gradients``: parameter gradients that no run's backward makes (eager code's: a loss's
+    head or an embedding dynamo left out of every graph), counted from the backward's start."""
     best = Account(start, 0, 0, 0)
     held = 0
     before: list[int] = []
@@ -93,7 +96,7 @@ def compose(start: int, runs: Sequence[GraphFigures]) -> Account:
         here = Account(start, held + r.inputs, 0, r.forward_peak, j, "forward")
         best = here if here.peak > best.peak else best
         held += r.held + r.saved_inputs
-    grads = 0
+    grads = gradients
     for j in range(len(runs) - 1, -1, -1):
         r = runs[j]
         here = Account(start, before[j] + r.saved_inputs, grads, r.backward_peak, j, "backward")
@@ -131,7 +134,7 @@ class PeakTarget:
 
 
 def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequence[Hashable],
-            key: Hashable, own: GraphFigures | None = None) -> PeakTarget:
+            key: Hashable, own: GraphFigures | None = None, gradients: int = 0) -> PeakTarget:
     """The target of graph ``key``: what its own forward and backward may hold for the step
     to fit ``budget``, the rest of the step held at the figures in ``runs`` (``keys`` names
     the graph of each run). A graph not among ``keys`` is taken to run once more, after them.
@@ -160,7 +163,7 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
         if k != key:
             others += r.held + r.saved_inputs
     after_grads = [0] * len(runs)
-    grads = 0
+    grads = gradients  # eager code's, from the backward's start (compose)
     for j in range(len(runs) - 1, -1, -1):
         after_grads[j] = grads
         grads += runs[j].gradients

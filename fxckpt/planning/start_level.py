@@ -58,6 +58,10 @@ class StartLevel:
                 batch += storage_bytes(t)
         self.batch[key] = batch
 
+    def new_gradients(self) -> int:
+        """Bytes of the gradients the step's backward creates for every parameter known."""
+        return new_gradients([t for ref in self.leaves if (t := ref()) is not None])
+
     def measure(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))

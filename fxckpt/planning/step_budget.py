@@ -29,9 +29,12 @@ is composed from every graph's figures, and where it is over the budget (the opt
 appeared after the first ``optimizer.step()``, a graph runs several times, Inductor's own
 schedule holds more than the plan's liveness) the graphs whose runs hold more than their
 target are compiled again for it, before the step's first graph runs, at most
-:data:`MAX_REPLANS` compiles per step and :data:`MAX_STEP_REPLANS` steps that re-plan. A step
-that still cannot fit raises :class:`~fxckpt.errors.BudgetError` (``on_infeasible="warn"``:
-warns) naming the smallest budget the step reaches, with its parts.
+:data:`MAX_REPLANS` compiles per step and :data:`MAX_STEP_REPLANS` steps that re-plan. Once,
+the first step in which nothing compiles is measured whole, and what eager code between the
+graphs holds counts from then on (:class:`~fxckpt.planning.start_level.EagerBytes`). A step
+that still cannot fit once that is known (the third, usually) raises
+:class:`~fxckpt.errors.BudgetError` (``on_infeasible="warn"``: warns) naming the smallest
+budget the step reaches, with its parts; the steps before it run the lowest plans.
 """
 
 from __future__ import annotations
@@ -138,9 +141,15 @@ class StepBudget:
         """The start level the plans count: measured, and what eager code was seen to add."""
         return self.start_bytes + self.eager.bytes
 
+    def eager_gradients(self, figures: list[GraphFigures]) -> int:
+        """Parameter gradients the step makes that no run's backward makes: of the parameters
+        eager code uses (the compiled module's others), counted from the backward's start."""
+        return max(0, self.start.new_gradients() - sum(f.gradients for f in figures))
+
     def account(self, start: int | None = None) -> Account:
         keys, figures = self.sequence()
-        return compose(self.level if start is None else start, figures)
+        return compose(self.level if start is None else start, figures,
+                       self.eager_gradients(figures))
 
     def fits(self) -> bool:
         """Whether the account, with :data:`~fxckpt.planning.account.HEADROOM` kept free,
@@ -154,7 +163,7 @@ class StepBudget:
         assert budget is not None
         keys, figures = self.sequence()
         keys = [k for k in keys if k in self.graphs]
-        return targets(budget, self.level, figures, keys, key, own)
+        return targets(budget, self.level, figures, keys, key, own, self.eager_gradients(figures))
 
     # -- compiling -------------------------------------------------------------------------
     def compile(self, key: object, gm: Any, example_inputs: Sequence[Any],
@@ -288,7 +297,7 @@ class StepBudget:
         self._rebalance()
         # The verdict names the smallest budget: it waits for what eager code holds to be
         # measured (the step after the graphs compiled), else it would name too little.
-        if not self.fits() and not self.verdict_given and (self.eager.known or self.steps > 2):
+        if not self.fits() and not self.verdict_given and (self.eager.known or self.steps > 3):
             self.verdict(None)
 
     def _rebalance(self) -> None:
@@ -319,13 +328,10 @@ class StepBudget:
 
     def _settle(self, key: object) -> None:
         """Graph ``key`` missed its target at its lowest plan: the graphs before it in this
-        step plan again for what the step now leaves them (:meth:`_rebalance`). Where it is
-        the step's first graph, the step can only hold more: a byte budget it misses raises
-        now; otherwise the verdict waits for the step's end, when its runs are known."""
-        first = not self.current
+        step plan again for what the step now leaves them (:meth:`_rebalance`). The verdict
+        waits for the step's end: only then are its graphs, its runs and what eager code
+        holds known, and the figure it names one that runs."""
         self._rebalance()
-        if first and self.budget is not None and not self.fits() and self.graphs[key].lowest:
-            self.verdict(self.graphs[key].label)
 
     def verdict(self, graph: str | None) -> None:
         """Raise (or warn) that the step cannot meet its budget, naming the smallest budget
