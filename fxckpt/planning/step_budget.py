@@ -163,7 +163,10 @@ class StepBudget:
         assert budget is not None
         keys, figures = self.sequence()
         keys = [k for k in keys if k in self.graphs]
-        return targets(budget, self.level, figures, keys, key, own, self.eager_gradients(figures))
+        # The graph's own runs make its gradients, whether it has run yet or not.
+        mine = [] if key in keys else [own or self.graphs[key].figures()]
+        return targets(budget, self.level, figures, keys, key, own,
+                       self.eager_gradients(figures + mine))
 
     # -- compiling -------------------------------------------------------------------------
     def compile(self, key: object, gm: Any, example_inputs: Sequence[Any],
