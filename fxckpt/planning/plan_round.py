@@ -38,6 +38,7 @@ from fxckpt.planning.problem import (
     copy_buckets,
     forced_offloads,
     group_by_storage,
+    held_by_outputs,
     in_the_step,
     offload_candidates,
     reasons,
@@ -139,6 +140,8 @@ class RoundPlanner:
         }
         storages = group_by_storage(part.saved)
         forced, forced_why = forced_offloads(storages, offloadable, self.requests, opts)
+        for key, why in held_by_outputs(storages, part.fw, self.num_fwd_outputs).items():
+            forced[key], forced_why[key] = "keep", why
         fw_ms = step_costs(part.fw, opts.cost_model, self.device)
         bw_ms = step_costs(part.bw, opts.cost_model, self.device)
         problem, flops = build_problem(

@@ -244,6 +244,26 @@ def reasons(
     return out
 
 
+def held_by_outputs(
+    storages: Sequence[StorageGroup], fw: fx.GraphModule, num_fwd_outputs: int
+) -> dict[str, str]:
+    """Storages the forward also returns to its caller (a view of a saved tensor among the
+    model's outputs: a key/value cache's entries, a hidden state): the caller holds them, so
+    neither an offload nor a recompute frees them. Each is kept, and why."""
+    from fxckpt.graph.liveness import storage_key
+
+    out = fw.graph.find_nodes(op="output")[0]
+    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    returned = {storage_key(n.meta.get("val")) for n in args[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    returned.discard(None)
+    nodes = {n.name: n for n in fw.graph.nodes}
+    kept: dict[str, str] = {}
+    for s in storages:
+        if any(storage_key(nodes[a.name].meta.get("val")) in returned for a in s.members):
+            kept[s.key] = "keep: the forward also returns it (its caller holds it whatever the plan)"
+    return kept
+
+
 def forced_offloads(
     storages: list[StorageGroup], offloadable: Set[str], requested: Set[str], options: Options
 ) -> tuple[dict[str, str], dict[str, str]]:
