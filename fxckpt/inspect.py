@@ -295,7 +295,7 @@ def inspect(
     plan over budget is still shown. Nothing runs on real tensors: weights and inputs are
     replaced by meta tensors of the same shapes. ``stream_weights``: the keyword arguments of
     :func:`fxckpt.stream_weights` (``{}``: every parameter it would take), to plan the step
-    with those weights in host memory (under ``device_budget``, the plan says which stay).
+    with those weights in host memory (under ``memory_budget``, the plan says which stay).
 
     Like a fresh compile in a benchmark, this calls ``compat.reset_dynamo()`` before and after
     planning (other compiled models in the process recompile on their next call) and

@@ -119,7 +119,8 @@ def _timeline_marks(x: Callable[[float], float], y: Callable[[float], float], n:
 
 
 def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0) -> str:
-    """Resident saved bytes over the step: baseline (grey area), plan (blue), budget (red).
+    """The graph's own live bytes over the step (the planner's model, what existed before the
+    step left out): baseline (grey area), plan (blue), the graph's target (red).
 
     ``min_cut_peak`` (grey dashed) is what plain min-cut holds at the end of the forward: all
     it saves. The simulator's baseline is the plan's own partition with nothing offloaded,
@@ -149,7 +150,7 @@ def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0)
         return " ".join(pts)
 
     parts = [f'<svg viewBox="0 0 {W} {H}" role="img" xmlns="http://www.w3.org/2000/svg">',
-             f"<title>{escape(title)}</title>", *_axes(top, "forward → backward (graph nodes in execution order)", "resident saved activations")]  # fmt: skip
+             f"<title>{escape(title)}</title>", *_axes(top, "forward → backward (graph nodes in execution order)", "live bytes of the graph")]  # fmt: skip
     if base:
         pts = path(base)
         parts.append(f'<polygon points="{x(0):.1f},{y(0):.1f} {pts} '
@@ -166,7 +167,7 @@ def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0)
               f'<span><i class="swatch" style="background:{COLORS["baseline"]};opacity:.5"></i>'
               "this partition with nothing offloaded</span>"
               f'<span><i class="swatch" style="background:{COLORS["plan"]}"></i>fxckpt plan</span>'
-              '<span><i class="dash"></i>memory budget</span></div>')  # fmt: skip
+              '<span><i class="dash"></i>the graph\'s target under memory_budget</span></div>')  # fmt: skip
     return "\n".join(parts) + legend
 
 
@@ -214,14 +215,22 @@ def blocks_svg(plan: Plan, title: str) -> str:
 
 
 def overview_svg(plan: Plan) -> str:
-    """Horizontal bars: what plain min-cut saves against what the plan keeps resident, moves
-    and recomputes, with the budget as a dashed line."""
-    bars = [("baseline: plain min-cut saves", plan.baseline_saved_bytes, COLORS["baseline"]),
-            ("plan: resident peak on the device", plan.resident_peak_bytes, COLORS["plan"]),
-            ("plan: offloaded to host", plan.host_bytes, COLORS["offload"]),
-            ("plan: recomputed in the backward", plan.recomputed_bytes, COLORS["recompute"])]  # fmt: skip
+    """Horizontal bars: the step's predicted device peak and its parts, what plain min-cut
+    saves against what the plan keeps, moves and recomputes, with the budget (the step's
+    device peak) as a dashed line."""
+    step = plan.step or {}
+    bars = [("plan: the step's device peak", int(step.get("total_bytes") or 0), COLORS["plan"]),
+            ("  held when the step starts", int(step.get("start_bytes") or 0), COLORS["baseline"]),
+            ("  gradients at the peak", int(step.get("gradients_bytes") or 0), COLORS["baseline"]),
+            ("  activations at the peak", int(step.get("activations_bytes") or 0), COLORS["baseline"]),
+            ] if step else [("plan: the graph's own step peak", plan.predicted_step_peak_bytes or 0,
+                             COLORS["plan"])]  # fmt: skip
+    bars += [("baseline: plain min-cut saves", plan.baseline_saved_bytes, COLORS["baseline"]),
+             ("plan: saved activations at their peak", plan.resident_peak_bytes, COLORS["plan"]),
+             ("plan: offloaded to host", plan.host_bytes, COLORS["offload"]),
+             ("plan: recomputed in the backward", plan.recomputed_bytes, COLORS["recompute"])]  # fmt: skip
     if plan.disk_bytes:
-        bars.insert(3, ("plan: offloaded to disk", plan.disk_bytes, COLORS["offload"]))
+        bars.insert(len(bars) - 1, ("plan: offloaded to disk", plan.disk_bytes, COLORS["offload"]))
     budget = plan.budget_bytes
     top = max([b[1] for b in bars] + [budget or 0, 1]) * 1.05
     left, row, height = 250, 26, 26 * len(bars) + 30
@@ -297,8 +306,10 @@ def render_html(
         body.append(f"<h2>{escape(name)}</h2>")
         body.append(overview_svg(plan))
         if plan.timeline:
-            body.append('<p class="muted">Saved activations resident on the device at each '
-                        "point of the forward and backward of this graph.</p>")  # fmt: skip
+            body.append('<p class="muted">The bytes this graph has live on the device at each '
+                        "point of its forward and backward (the planner's model: what the step "
+                        "held when it started is left out), against what memory_budget leaves "
+                        "it.</p>")  # fmt: skip
             body.append(timeline_svg(plan.timeline, name, plan.baseline_saved_bytes))
         else:
             body.append('<p class="muted">This plan carries no memory timeline, so the chart '

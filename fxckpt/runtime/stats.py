@@ -7,7 +7,8 @@ Two kinds of figure, named apart:
   ``fallback_bytes``), stalls and the host pool;
 - **planned**: ``planned_*`` figures come from a graph's plan. ``planned_kept_bytes`` is the
   bytes of the saved tensors the plan keeps on the device, counted on the real tensors at the
-  end of each forward; ``planned_peak_bytes`` is the plan's simulated peak.
+  end of each forward; ``planned_peak_bytes`` is the plan's simulated peak of saved
+  activations; ``planned_step`` the step's device peak the plan predicts, with its parts.
 
 Neither is a measurement of device memory: ``fxckpt.measure`` is (it never reads this module).
 
@@ -98,6 +99,9 @@ class GraphFigures:
     runs: int = 0
     budget_bytes: int | None = None
     planned_peak_bytes: int | None = None
+    # The step's device peak the plan predicts with this graph, and its parts (start_bytes,
+    # gradients_bytes, activations_bytes, total_bytes): planned, not measured.
+    planned_step: dict[str, int] | None = None
     planned_kept_bytes: int = 0
     offloaded_bytes: int = 0
     fallback_bytes: int = 0
@@ -120,6 +124,7 @@ class _PlanFacts:
     budget_bytes: int | None
     planned_peak_bytes: int | None
     planned_held_bytes: int | None  # what the plan's forward leaves for its backward
+    planned_step: dict[str, int] | None
 
 
 _graphs: dict[str, GraphFigures] = {}
@@ -189,6 +194,7 @@ def _plan_facts(payload: str) -> _PlanFacts:
         budget_bytes=plan.get("budget_bytes"),
         planned_peak_bytes=plan.get("resident_peak_bytes"),
         planned_held_bytes=held if isinstance(held, int) and plan.get("target") else None,
+        planned_step=dict(plan["step"]) if isinstance(plan.get("step"), dict) else None,
     )
     _facts[payload] = facts
     return facts
@@ -200,7 +206,8 @@ def _figures(facts: _PlanFacts) -> GraphFigures:
     fig = _graphs.get(facts.name)  # every step: build the figures only on the first
     if fig is None:
         fig = _graphs[facts.name] = GraphFigures(budget_bytes=facts.budget_bytes,
-                                                 planned_peak_bytes=facts.planned_peak_bytes)
+                                                 planned_peak_bytes=facts.planned_peak_bytes,
+                                                 planned_step=facts.planned_step)
     return fig
 
 
@@ -357,6 +364,9 @@ def snapshot() -> dict[str, Any]:
     out["planned_kept_bytes"] = sum(g["planned_kept_bytes"] for g in graphs.values())
     peaks = [g["planned_peak_bytes"] for g in graphs.values() if g["planned_peak_bytes"] is not None]
     out["planned_peak_bytes"] = sum(peaks) if peaks else None
+    # The step's predicted device peak: the largest any graph's plan predicts with the others.
+    steps = [g["planned_step"] for g in graphs.values() if g.get("planned_step")]
+    out["planned_step"] = max(steps, key=lambda st: st["total_bytes"]) if steps else None
     return out
 
 

@@ -107,9 +107,11 @@ def test_every_figure_of_a_graph_is_documented():
     assert {f for f in fields if f"`{f}`" not in row} == set()
 
 
-def _payload(name: str, budget=None, peak=None, spec=None) -> str:
+def _payload(name: str, budget=None, peak=None, spec=None, held=None, step=None) -> str:
+    target = {"forward_bytes": budget, "backward_bytes": budget} if budget is not None else None
     return json.dumps(
-        {"name": name, "budget_bytes": budget, "resident_peak_bytes": peak, "options": {"memory_budget": spec}}
+        {"name": name, "budget_bytes": budget, "resident_peak_bytes": peak, "held_bytes": held,
+         "target": target, "step": step, "options": {"memory_budget": spec}}
     )
 
 
@@ -154,18 +156,31 @@ def test_fallbacks_are_counted_in_bytes_per_graph_and_warned_once_with_the_figur
         assert torch.equal(OPS.wait(h, h, list(want.shape), [1], torch.float32, src.device), want)
 
 
-def test_a_byte_budget_overrun_at_run_time_is_warned_once_with_the_figures():
-    big = torch.randn(512)
-    with pytest.warns(stats.BudgetOverrunWarning, match=r"kept 2048 bytes.*memory_budget=1000 bytes.*\[512\]") as first:
-        OPS.note_saved([big], _payload("g", budget=1000, peak=900, spec=1000))
+def test_a_forward_that_keeps_more_than_its_plan_counts_is_warned_once_with_the_figures():
+    """Under a budget, the step was planned with what each forward leaves for its backward
+    (the plan's held_bytes); a forward that keeps more (sizes the plan was not made for) is
+    warned once, with the figures."""
+    big = torch.randn(4096)
+    with pytest.warns(stats.BudgetOverrunWarning,
+                      match=r"kept 16384 bytes.*over the 900 bytes its plan counts.*memory_budget=5000 bytes.*\[4096\]") as first:  # fmt: skip
+        OPS.note_saved([big], _payload("g", budget=5000, held=900, spec=5000))
     assert len(first) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        OPS.note_saved([big], _payload("g", budget=1000, peak=900, spec=1000))  # once
-        # A fraction is a fraction of each size's own baseline; the guard handles it.
-        OPS.note_saved([big], _payload("h", budget=1000, peak=900, spec=0.5))
-        # A plan that was already over its budget was reported when it was compiled.
-        OPS.note_saved([big], _payload("i", budget=1000, peak=3000, spec=1000))
+        OPS.note_saved([big], _payload("g", budget=5000, held=900, spec=5000))  # once
+        # Within the plan's figure and its slack (the allocator's rounding, small tensors).
+        OPS.note_saved([big], _payload("h", budget=5000, held=16384 - 100, spec=5000))
+        # Without a budget nothing was planned with the figure.
+        OPS.note_saved([big], _payload("i", held=900))
+
+
+def test_the_planned_step_is_the_largest_graphs_figure():
+    small = {"start_bytes": 10, "gradients_bytes": 0, "activations_bytes": 5, "total_bytes": 15}
+    large = {"start_bytes": 10, "gradients_bytes": 3, "activations_bytes": 7, "total_bytes": 20}
+    OPS.note_saved([], _payload("a", budget=100, step=small))
+    OPS.note_saved([], _payload("b", budget=100, step=large))
+    snap = stats.snapshot()
+    assert snap["graphs"]["a"]["planned_step"] == small and snap["planned_step"] == large
 
 
 def test_plan_payloads_are_ordered_and_deduplicated_by_value():
