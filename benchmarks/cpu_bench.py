@@ -7,9 +7,13 @@ seconds: it checks that the script runs end to end, and its figures mean nothing
 
 Each method is a row (``benchmarks/methods.py``): eager, full_checkpoint, save_on_cpu, compiled
 (plain torch.compile), torch_offload, torch_budget and several fxckpt settings, one of them
-with ``memory_budget`` set to full_checkpoint's measured bytes. Per sequence length every
-method runs a first (compiling) step, warm-up steps, then ``--repeats`` rounds in which the
-methods take turns in a rotating order. Times are medians, with the min and max beside them.
+with ``memory_budget`` set to full_checkpoint's measured absolute step peak. Per sequence
+length every method runs a first (compiling) step, warm-up steps (at least
+``BUDGET_WARMUP`` for an fxckpt row with a ``memory_budget``: its step account measures a
+step and may compile again), then ``--repeats`` rounds in which the methods take turns in a
+rotating order. Times are medians, with the min and max beside them. A row whose byte budget
+no plan meets (fxckpt's ``BudgetError``, raised once the step is known) is unavailable, with
+the error's first line.
 
 What the columns measure:
 
@@ -24,6 +28,12 @@ What the columns measure:
   the same memory: the split is the one a GPU would see.
 - ``peak_bytes``: the meter's peak over one more untimed step (forward and backward), above
   what was allocated before it: gradients, temporaries and copies included.
+  ``absolute_peak_bytes`` is the same step's absolute peak, what ``memory_budget`` bounds:
+  ``start_bytes`` (what the device held when the step began: the parameters and buffers, the
+  batch; every gradient dropped first) plus ``peak_bytes``. The rows whose figure becomes a
+  budget (full_checkpoint, save_on_cpu) also carry ``budget_source_bytes``, the absolute step
+  peak measured in the untimed step after their first, which the fxckpt rows at that
+  baseline's memory were given as ``memory_budget``.
 - ``step_time_ratio``: median step time (forward + backward) over eager's, in the same run.
 - ``compile_time_ratio``: (first step - median step) over the same figure of ``compiled``.
 - ``grads_match``: every parameter gradient of the first step passes
@@ -53,7 +63,6 @@ from benchmarks.methods import (
     GPT_QUICK,
     GPT_SMALL,
     GPT_SMOKE,
-    PEAK_SOURCES,
     Decoder,
     DecoderConfig,
     MethodSpec,
@@ -65,9 +74,15 @@ from benchmarks.methods import (
     grads_of,
     make_batch,
     median,
+    start_of,
 )
 
 MiB = 2**20
+# Untimed steps, after the first, of an fxckpt row with a memory_budget: its step account
+# measures one whole step (a profiled one on the CPU), may compile graphs again at the step
+# after it, and raises BudgetError there when no plan meets a budget in bytes. None of that
+# belongs in a timed round.
+BUDGET_WARMUP = 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +108,12 @@ class Meters:
     """fxckpt's meter (``fxckpt.Meter``) around one untimed forward, then one untimed step:
     the allocator's figures, never a plan's. CPU: torch's CPU allocator reports (profiler
     memory events, ops not recorded); CUDA: ``memory_allocated`` / ``max_memory_allocated``
-    with the peak reset. fxckpt's host pool and offload handles are host memory, not counted."""
+    with the peak reset. fxckpt's host pool and offload handles are host memory, not counted.
+
+    A step's ``start_bytes`` is what the device held when it began, its gradients dropped
+    first: on the CPU the storages of the model (parameters, buffers) and the batch (the
+    meter's ``holding``); on CUDA the allocator's figure, everything the process keeps there.
+    ``absolute_peak_bytes`` (start plus peak) is the figure ``memory_budget`` bounds."""
 
     name = "fxckpt.Meter: the allocator's net and peak bytes over the call"
 
@@ -111,7 +131,9 @@ class Meters:
     def step(self, runner: Runner, idx: torch.Tensor, tgt: torch.Tensor) -> Any:
         import fxckpt
 
-        meter = fxckpt.Meter(self.device)
+        for p in runner.model.parameters():
+            p.grad = None
+        meter = fxckpt.Meter(self.device, holding=(runner.model, idx, tgt))
         with _quiet_fd2(), meter:
             runner.step(idx, tgt)
         return meter.result
@@ -178,11 +200,16 @@ def run_suite(
     runners: list[Runner] = []
     rows: dict[str, dict[str, Any]] = {}
     ref_grads: dict[str, torch.Tensor] = {}
-    budgets: dict[str, int] = {}  # memory_budget placeholder -> a baseline's measured bytes
+    # memory_budget placeholder -> a baseline's measured absolute step peak (and, under
+    # methods.start_of, what its step started with).
+    budgets: dict[str, int] = {}
+    # Every method's copy of the model exists from the start, and for the whole run: on CUDA a
+    # step's start level (and so an absolute peak, and a byte budget) is everything allocated,
+    # so a baseline's figure and the rows given it as a budget count the same copies.
+    models = [copy.deepcopy(base) for _ in specs]
 
     # 1. First step of each method: compile, saved bytes, gradients against eager.
-    for spec in specs:
-        model = copy.deepcopy(base)
+    for spec, model in zip(specs, models, strict=True):
         try:
             runner = build_runner(spec, model, device, compiler, budgets=budgets)
         except ValueError as e:  # its baseline did not run
@@ -194,12 +221,9 @@ def run_suite(
         fxckpt.reset_stats()
         _sync(device)
         start = time.perf_counter()
-        # Eager rows allocate nothing to compile: their first forward is measured as it
-        # runs (full_checkpoint's figure becomes fxckpt_at_full_ckpt's budget).
-        meter = None if runner.compiled else fxckpt.Meter(device)
         try:
             with _quiet_fd2():
-                loss, resident, host = runner.step(idx, tgt, counter, meter=meter)
+                loss, resident, host = runner.step(idx, tgt, counter)
         except Exception as e:  # a method that cannot run here is a row that says why
             log(f"  {spec.name}: unavailable: {type(e).__name__}: {str(e).splitlines()[0]}")
             rows[spec.name] = _row(spec, runner, seq, batch, unavailable=f"{type(e).__name__}: "
@@ -212,6 +236,7 @@ def run_suite(
             ref_grads, ok, why = grads, True, ""
         else:
             ok, why = grads_match(ref_grads, grads, **(tolerances or {}))
+        del grads  # only eager's stay, for the whole run (a constant part of the start level)
         for p in model.parameters():
             p.grad = None
         row = _row(spec, runner, seq, batch)
@@ -226,11 +251,12 @@ def run_suite(
             row["plan_budget_bytes"] = [p.budget_bytes for p in plans]
             row["plan_est_overhead_ms"] = sum(p.est_overhead_ms for p in plans)
         if spec.kind in BUDGET_SOURCES:
-            assert meter is not None and meter.result is not None
-            budgets[BUDGET_SOURCES[spec.kind]] = meter.result.held_bytes
-            row["held_after_first_forward_bytes"] = meter.result.held_bytes
-            # And the whole step's peak, for the rows whose peak_budget is this method's.
-            budgets[PEAK_SOURCES[spec.kind]] = meters.step(runner, idx, tgt).peak_bytes
+            # Its absolute step peak (an untimed step after the first): the memory_budget of
+            # the fxckpt rows at this method's memory.
+            measured = meters.step(runner, idx, tgt)
+            placeholder = BUDGET_SOURCES[spec.kind]
+            budgets[placeholder] = row["budget_source_bytes"] = measured.absolute_peak_bytes
+            budgets[start_of(placeholder)] = measured.start_bytes
             for p in model.parameters():
                 p.grad = None
         rows[spec.name] = row
@@ -238,10 +264,27 @@ def run_suite(
         log(f"  {spec.name:<22} first step {first_s:6.1f} s, saved (hook) "
             f"{(resident or 0) / MiB:8.2f} MiB, grads_match={ok} {why[:100]}")  # fmt: skip
 
+    def infeasible(runner: Runner, e: Exception) -> None:
+        """A byte budget no plan meets: fxckpt says so once the step is known (its third
+        step, usually). The row says why, with the smallest budget the step runs under, and
+        leaves the rounds."""
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log(f"  {runner.name}: unavailable: {why}")
+        rows[runner.name]["unavailable"] = why
+        runners.remove(runner)
+        for p in runner.model.parameters():
+            p.grad = None
+
     # 2. Warm-up, then interleaved rounds in a rotating order.
-    for runner in runners:
-        for _ in range(warmup):
-            runner.step(idx, tgt)
+    for runner in list(runners):
+        steps = warmup
+        if runner.spec.kind == "fxckpt" and runner.options.get("memory_budget") is not None:
+            steps = max(warmup, BUDGET_WARMUP)
+        try:
+            for _ in range(steps):
+                runner.step(idx, tgt)
+        except fxckpt.BudgetError as e:
+            infeasible(runner, e)
     for runner in runners:
         rows[runner.name].update(step_s=[], cpu_s=[], stall_s=[], offloaded=[], copy_s=[])
     frames = _frames_compiled()
@@ -254,7 +297,11 @@ def run_suite(
             fxckpt.reset_stats()
             _sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            runner.step(idx, tgt)
+            try:
+                runner.step(idx, tgt)
+            except fxckpt.BudgetError as e:
+                infeasible(runner, e)
+                continue
             _sync(device)
             row["step_s"].append(time.perf_counter() - start)
             row["cpu_s"].append(time.process_time() - cpu_start)
@@ -270,7 +317,9 @@ def run_suite(
         fwd = meters.forward(runner, idx, tgt)
         rows[runner.name]["measured_resident_bytes"] = fwd.held_bytes
         rows[runner.name]["forward_peak_bytes"] = fwd.peak_bytes
-        rows[runner.name]["peak_bytes"] = meters.step(runner, idx, tgt).peak_bytes
+        step = meters.step(runner, idx, tgt)
+        rows[runner.name].update(peak_bytes=step.peak_bytes, start_bytes=step.start_bytes,
+                                 absolute_peak_bytes=step.absolute_peak_bytes)
         for p in runner.model.parameters():
             p.grad = None
         if probe is not None:

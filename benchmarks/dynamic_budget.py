@@ -2,16 +2,19 @@
 
     python -m benchmarks.dynamic_budget --docs
 
-``--smoke`` runs one tiny case instead (a 2-block decoder at 32 and 64 tokens, a 512 KiB
+``--smoke`` runs one tiny case instead (a 2-block decoder at 32 and 64 tokens, a 1792 KiB
 budget), in seconds: it checks that the script runs end to end, and its figures mean nothing.
 
-A 6-block GPT-style decoder compiled once with ``dynamic=True`` and ``memory_budget="2MiB"``
-trains at 64, 128, 256 and 512 tokens. At each length one warm forward is measured with
-``fxckpt.measure`` (the allocator's figures, never a plan's): what it leaves on the device for
-the backward. Beside it, in the same process: plain ``torch.compile`` (``aot_eager``, min-cut),
-the same lengths; and fxckpt with the length marked ``mark_dynamic(max=512)``, planned once for
-512 tokens. The plan column names the compiled graph that served the length and the sizes its
-plan was made for.
+A 6-block GPT-style decoder compiled once with ``dynamic=True`` and ``memory_budget="8MiB"``
+trains at 64, 128, 256 and 512 tokens. At each length, after warm steps, one whole training
+step is measured with ``fxckpt.measure`` (the allocator's figures, never a plan's): its absolute
+peak, what ``memory_budget`` bounds: what the device held when the step began (the model's
+parameters and buffers, the batch; gradients dropped first) plus the most the forward and
+backward allocated. Beside it, in the same process: plain ``torch.compile`` (``aot_eager``,
+min-cut), the same lengths; and fxckpt with the length marked ``mark_dynamic(max=512)``,
+planned once for 512 tokens. The plan column names the compiled graph that served the length
+and the sizes its plan was made for. A length no plan holds under the budget is refused
+(fxckpt's ``BudgetError``, once the step is known: its third step, usually).
 """
 
 from __future__ import annotations
@@ -41,22 +44,35 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 START, END = "<!-- dynamic-table:start -->", "<!-- dynamic-table:end -->"
 
 
-def _held(compiled: Any, idx: torch.Tensor, tgt: torch.Tensor) -> int | str:
-    """Bytes a warm forward leaves for its backward, or the BudgetError raised at this length."""
+# Warm steps at each length before the measured one: the first compiles this length's graph,
+# the step account measures the next one and may plan again, or refuse the budget, at the one
+# after it.
+WARM_STEPS = 3
+
+
+def _step_peak(compiled: Any, model: torch.nn.Module, idx: torch.Tensor,
+               tgt: torch.Tensor) -> int | str:
+    """The absolute peak of one warm training step at this length (what the device held when
+    it began, the model and the batch, plus the most it allocated), or the BudgetError raised
+    at this length."""
     import fxckpt
 
     try:
-        compiled(idx, tgt).backward()  # warm: this length's graph is compiled
-    except Exception as err:  # dynamo wraps the BudgetError a length no plan can hold raises
+        for _ in range(WARM_STEPS):
+            model.zero_grad(set_to_none=True)
+            compiled(idx, tgt).backward()
+    except Exception as err:  # dynamo may wrap the BudgetError a length no plan can hold raises
+        model.zero_grad(set_to_none=True)
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, fxckpt.BudgetError):
             cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
         if cause is None:
             raise
         return f"BudgetError: smallest {cause.smallest_bytes / MiB:.2f} MiB"
-    m = fxckpt.measure(compiled, idx, tgt)
-    m.output.backward()
-    return m.held_bytes
+    model.zero_grad(set_to_none=True)
+    m = fxckpt.measure(lambda: compiled(idx, tgt).backward(), holding=(model, idx, tgt))
+    model.zero_grad(set_to_none=True)
+    return m.absolute_peak_bytes
 
 
 def _mib(v: int | str) -> str:
@@ -89,7 +105,7 @@ def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str,
     torch._dynamo.reset()
     plain = torch.compile(base, backend="aot_eager", dynamic=True)
     for row in rows:
-        row["plain_bytes"] = _held(plain, *batches[row["seq"]])
+        row["plain_bytes"] = _step_peak(plain, base, *batches[row["seq"]])
 
     torch._dynamo.reset()
     fxckpt.reset_stats()
@@ -97,7 +113,7 @@ def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str,
     compiled = torch.compile(base, backend="fxckpt", dynamic=True, options=options)
     for row in rows:
         before = len(fxckpt.last_plans())
-        row["fxckpt_bytes"] = _held(compiled, *batches[row["seq"]])
+        row["fxckpt_bytes"] = _step_peak(compiled, base, *batches[row["seq"]])
         row["fxckpt_plan"] = _serving_plan(before) if isinstance(row["fxckpt_bytes"], int) else "-"
 
     torch._dynamo.reset()
@@ -108,7 +124,7 @@ def run(lengths: Sequence[int], budget: str, batch: int, min_offload: str,
         for t in (idx, tgt):
             torch._dynamo.mark_dynamic(t, 1, min=2, max=max(lengths))
         before = len(fxckpt.last_plans())
-        row["marked_bytes"] = _held(marked, idx, tgt)
+        row["marked_bytes"] = _step_peak(marked, base, idx, tgt)
         row["marked_plan"] = _serving_plan(before) if isinstance(row["marked_bytes"], int) else "-"
     return rows
 
@@ -120,7 +136,9 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, facts: dict[str, Any]
         f"Date: {facts['date']}; torch {facts['torch']}; {cfg.describe()}, batch "
         f"{facts['batch']}, `memory_budget=\"{facts['budget']}\"` "
         f"({facts['budget_bytes'] / MiB:.2f} MiB), `min_offload_bytes={facts['min_offload']!r}`, "
-        "`compiler=\"eager\"`.",
+        "`compiler=\"eager\"`. MiB: each step's measured absolute peak (what the device held "
+        "when it began, the model and the batch, plus the most the step allocated), the figure "
+        "`memory_budget` bounds.",
         "",
         "| tokens | plain compile MiB | fxckpt `dynamic=True` MiB | vs plain | served by | "
         "fxckpt `mark_dynamic(max)` MiB | served by | within budget |",
@@ -129,7 +147,7 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, facts: dict[str, Any]
     for r in rows:
         fx, marked, plain = r["fxckpt_bytes"], r["marked_bytes"], r["plain_bytes"]
         ratio = f"{fx / plain:.2f}x" if isinstance(fx, int) else "-"
-        # A length no plan can hold raises BudgetError at compile time: refused, not over.
+        # A length no plan can hold raises BudgetError once its step is known: refused, not over.
         ran = [v for v in (fx, marked) if isinstance(v, int)]
         within = "yes" if all(v <= facts["budget_bytes"] for v in ran) else "no"
         if not ran:
@@ -156,14 +174,14 @@ def write_docs(table: str, path: Path = DOCS, start: str = START, end: str = END
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.dynamic_budget",
-        description="A byte budget under dynamic shapes: measured bytes left by a forward at "
+        description="A byte budget under dynamic shapes: the measured absolute step peak at "
         "four lengths (see docs/benchmarks.md).",
     )
     p.add_argument("--smoke", action="store_true",
                    help="one tiny case to check that the script runs: a 2-block decoder at 32 "
-                   "and 64 tokens, memory_budget 512KiB (seconds; the figures mean nothing)")
+                   "and 64 tokens, memory_budget 1792KiB (seconds; the figures mean nothing)")
     p.add_argument("--lengths", type=int, nargs="+", help="default 64 128 256 512")
-    p.add_argument("--budget", help="default 2MiB")
+    p.add_argument("--budget", help="default 8MiB")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--min-offload-bytes", default="0",
                    help="fxckpt's min_offload_bytes (the default option, 1MiB, leaves this "
@@ -175,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--smoke's figures mean nothing: not for --docs")
     cfg = SMOKE if args.smoke else GPT6
     args.lengths = args.lengths or ([32, 64] if args.smoke else [64, 128, 256, 512])
-    args.budget = args.budget or ("512KiB" if args.smoke else "2MiB")
+    args.budget = args.budget or ("1792KiB" if args.smoke else "8MiB")
     torch.set_num_threads(1)
     command = "python -m benchmarks.dynamic_budget " + " ".join(sys.argv[1:] if argv is None else argv)
     facts = {

@@ -18,9 +18,12 @@ compute stream (each copy blocks the step), fxckpt's copies run on the engine's 
 Rows, in rotated rounds (``cpu_bench.run_suite``): eager, per-block checkpointing,
 ``save_on_cpu``, plain ``torch.compile``, torch's offload, ``activation_memory_budget`` at a
 sweep, fxckpt ``offload="all"``, ``segment_stride`` values, and the planner at budgets from
-"what min-cut already meets" through full checkpointing's measured bytes to half of them.
-Memory is the meter's (``fxckpt.measure``): bytes held after the forward and the whole step's
-peak. The ``goals`` object has the keys and records of ``benchmarks/goals.py``, labelled
+"what min-cut already meets" (``memory_budget=1.0``) through full checkpointing's and
+``save_on_cpu``'s measured absolute step peak (each as a ``memory_budget`` in bytes) to halfway
+between what the step starts with and full checkpointing's peak. Memory is the meter's
+(``fxckpt.measure``): bytes held after the forward and the whole step's absolute peak (what
+the device held when the step began, the model and the batch, plus the most the step
+allocated), the figure ``memory_budget`` bounds. The ``goals`` object has the keys and records of ``benchmarks/goals.py``, labelled
 "emulated". Also written: a Pareto plot (measured peak against step time) and, with
 ``--docs``, the gpu-shaped block of docs/benchmarks.md.
 """
@@ -52,8 +55,7 @@ from benchmarks.gpu_shaped_goals import (
 )
 from benchmarks.methods import (
     AT_FULL_CHECKPOINT,
-    PEAK_OF_FULL_CHECKPOINT,
-    PEAK_OF_SAVE_ON_CPU,
+    AT_SAVE_ON_CPU,
     Decoder,
     DecoderConfig,
     MethodSpec,
@@ -99,24 +101,24 @@ def method_specs(quick: bool) -> list[MethodSpec]:
           for s in ((1,) if quick else (1, 2, 4, 8))),
         *(() if quick else (fx("fxckpt_none", "no memory_budget"),)),
         fx(PLAN_FITS, "memory_budget=1.0: what plain min-cut already meets", memory_budget=1.0),
-        *(fx(f"fxckpt_budget{b:g}", f"memory_budget={b:g} (of min-cut's saved bytes)",
+        *(fx(f"fxckpt_budget{b:g}",
+             f"memory_budget={b:g}: {b:g} of the way from the lowest plan to plain compile",
              memory_budget=b) for b in ((0.5, 0.3, 0.25, 0.2, 0.15) if quick
                                         else (0.5, 0.4, 0.3, 0.25, 0.2, 0.15))),
-        fx(PLAN_AT_FULL, "peak_budget = full_checkpoint's measured step peak",
-           peak_budget=PEAK_OF_FULL_CHECKPOINT),
-        fx(PLAN_AT_SAVE_ON_CPU, "peak_budget = save_on_cpu's measured step peak",
-           peak_budget=PEAK_OF_SAVE_ON_CPU),
-        fx("fxckpt_saved_at_full_ckpt", "memory_budget = full_checkpoint's bytes after its forward",
+        fx(PLAN_AT_FULL, "memory_budget = full_checkpoint's measured absolute step peak",
            memory_budget=AT_FULL_CHECKPOINT),
-        fx("fxckpt_half_full_ckpt", "memory_budget = half of full_checkpoint's bytes",
-           memory_budget=scaled(AT_FULL_CHECKPOINT, 0.5)),
+        fx(PLAN_AT_SAVE_ON_CPU, "memory_budget = save_on_cpu's measured absolute step peak",
+           memory_budget=AT_SAVE_ON_CPU),
+        fx("fxckpt_half_full_ckpt", "memory_budget = the step's start level plus half of what "
+           "full_checkpoint's step added to it", memory_budget=scaled(AT_FULL_CHECKPOINT, 0.5)),
         # What pricing the link moves: the same budgets, planned as if copies were free.
         fx("fxckpt_budget0.25_free_link", f"memory_budget=0.25, planned at bandwidth={FREE_LINK}",
            memory_budget=0.25, bandwidth=FREE_LINK),
     ]
     if not quick:
         specs.append(fx("fxckpt_at_full_ckpt_free_link",
-                        f"memory_budget = full_checkpoint's bytes, planned at bandwidth={FREE_LINK}",
+                        "memory_budget = full_checkpoint's absolute step peak, planned at "
+                        f"bandwidth={FREE_LINK}",
                         memory_budget=AT_FULL_CHECKPOINT, bandwidth=FREE_LINK))
     return specs
 
@@ -167,7 +169,13 @@ class LinkClock:
 
 
 def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[str, Any]) -> None:
-    """One more untimed step of an fxckpt row: what its plans predicted."""
+    """One more untimed step of an fxckpt row: what its plans predicted.
+
+    ``predicted_absolute_peak_bytes``: the step's absolute peak the plans predicted (their
+    ``step["total_bytes"]``: the start level, gradients and activations where the step peaks),
+    where a budget is set; the largest of the plans' (each is the step's, with its own graph's
+    plan). ``predicted_step_peak_bytes``: the graph's own step peak, the start level left out
+    (one graph only), as ``peak_bytes`` measures it."""
     import fxckpt
 
     if runner.spec.kind != "fxckpt":
@@ -175,6 +183,7 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
     fxckpt.reset_stats()
     runner.step(idx, tgt)
     plans = fxckpt.last_plans()
+    steps = [p.step["total_bytes"] for p in plans if p.step]
     offloads = [a for p in plans for a in p.activations if a.decision.kind == "offload"]
     timed = all(p.timeline is not None for p in plans)
     row["plan"] = {
@@ -183,6 +192,9 @@ def plan_probe(runner: Runner, idx: torch.Tensor, tgt: torch.Tensor, row: dict[s
         "resident_peak_bytes": sum(p.resident_peak_bytes for p in plans),
         "predicted_step_peak_bytes": (sum(p.predicted_step_peak_bytes or 0 for p in plans)
                                       if len(plans) == 1 else None),
+        "predicted_absolute_peak_bytes": max(steps) if steps else None,
+        "predicted_start_bytes": (max(p.step["start_bytes"] for p in plans if p.step)
+                                  if steps else None),
         "baseline_saved_bytes": sum(p.baseline_saved_bytes for p in plans),
         "offloaded_bytes": sum(p.offloaded_bytes for p in plans),
         "offloads": len(offloads),
@@ -249,6 +261,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"median x{link['scales']['median']:.2f}), so the ratio held under other processes' "
         "load.",
         "",
+        "Step peak: the absolute one (what the device held when the step began, the model and "
+        "the batch, plus the most the step allocated; `memory_budget` bounds it), with the "
+        "plans' prediction of it where a budget is set.",
+        "",
         "| method | held after fwd MiB | step peak MiB (predicted) | host MiB | step ms (min-max) "
         "| vs eager | exposed copy / step | simulated step ms | grads |",
         "|" + "---|" * 9,
@@ -261,9 +277,10 @@ def markdown(doc: dict[str, Any]) -> str:
         e = ext.get(r["method"], {})
         sim = e.get("scaled_predicted_step_ms")
         shares = r.get("stall_shares")
-        pred = (r.get("plan") or {}).get("predicted_step_peak_bytes")
+        pred = (r.get("plan") or {}).get("predicted_absolute_peak_bytes")
         lines.append(
-            f"| {r['method']} | {_mib(r['measured_resident_bytes'])} | {_mib(r['peak_bytes'])}"
+            f"| {r['method']} | {_mib(r['measured_resident_bytes'])} "
+            f"| {_mib(r['absolute_peak_bytes'])}"
             f"{'' if pred is None else f' ({_mib(pred)})'} "
             f"| {_mib(r.get('host_saved_bytes'))} "
             f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) "
@@ -292,12 +309,14 @@ def write_doc(text: str, doc_path: Path = DOC) -> None:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    rows = [{"method": r["method"], "x": r["step_time_ratio"], "y": r["peak_bytes"] / MiB}
+    rows = [{"method": r["method"], "x": r["step_time_ratio"],
+             "y": r["absolute_peak_bytes"] / MiB}
             for r in doc["rows"] if not r.get("unavailable")]
     link = doc["link"]
     pareto.write(path, rows, f"Measured step peak against step time, through an emulated "
                  f"{link['target']} link ({link['bandwidth'] / 1e6:.0f} MB/s)",
-                 "step time / eager's (median of rotated rounds)", "whole-step peak, MiB (meter)")
+                 "step time / eager's (median of rotated rounds)",
+                 "absolute step peak, MiB (meter)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

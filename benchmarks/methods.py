@@ -263,21 +263,26 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 # Methods
 # ---------------------------------------------------------------------------------------------
 
-# memory_budget placeholders: the harness replaces each with what the named baseline's
-# forward measurably left on the device (full_checkpoint's, save_on_cpu's).
+# memory_budget placeholders: the harness replaces each with the named baseline's measured
+# absolute step peak (full_checkpoint's, save_on_cpu's): the bytes the device held at its
+# step's peak, what it held when the step started (parameters, buffers, the batch) included,
+# which is what memory_budget bounds.
 AT_FULL_CHECKPOINT = "at_full_checkpoint"
 AT_SAVE_ON_CPU = "at_save_on_cpu"
 BUDGET_SOURCES = {"full_checkpoint": AT_FULL_CHECKPOINT, "save_on_cpu": AT_SAVE_ON_CPU,
                   "save_on_cpu_link": AT_SAVE_ON_CPU}
-# peak_budget placeholders: the whole step's peak the named baseline measurably reached.
-PEAK_OF_FULL_CHECKPOINT = "full_checkpoint_step_peak"
-PEAK_OF_SAVE_ON_CPU = "save_on_cpu_step_peak"
-PEAK_SOURCES = {"full_checkpoint": PEAK_OF_FULL_CHECKPOINT, "save_on_cpu": PEAK_OF_SAVE_ON_CPU,
-                "save_on_cpu_link": PEAK_OF_SAVE_ON_CPU}
+
+
+def start_of(placeholder: str) -> str:
+    """The key, in a harness's ``budgets``, of what the device held when the named baseline's
+    measured step started (its ``start_bytes``): :func:`scaled` scales the part above it."""
+    return f"{placeholder}.start"
 
 
 def scaled(placeholder: str, factor: float) -> str:
-    """A memory_budget placeholder times ``factor``: ``at_full_checkpoint*0.5``."""
+    """A memory_budget placeholder at ``factor`` of the way from the baseline's start level to
+    its absolute step peak: ``at_full_checkpoint*0.5`` is what the step started with plus half
+    of what the baseline's step added to it (a budget in bytes, like the placeholder's)."""
     return f"{placeholder}*{factor:g}"
 
 
@@ -313,9 +318,11 @@ def default_fxckpt_specs(min_offload_bytes: int | str) -> tuple[MethodSpec, ...]
         fxckpt_spec("fxckpt_stride1", "segment_stride=1: every block a segment", segment_stride=1,
                     **m),
         fxckpt_spec("fxckpt_stride2", "segment_stride=2", segment_stride=2, **m),
-        fxckpt_spec("fxckpt_budget0.5", "memory_budget=0.5 (of min-cut's saved bytes)",
+        fxckpt_spec("fxckpt_budget0.5",
+                    "memory_budget=0.5: 0.5 of the way from the lowest plan to plain compile",
                     memory_budget=0.5, **m),
-        fxckpt_spec("fxckpt_at_full_ckpt", "memory_budget = full_checkpoint's measured bytes",
+        fxckpt_spec("fxckpt_at_full_ckpt",
+                    "memory_budget = full_checkpoint's measured absolute step peak",
                     memory_budget=AT_FULL_CHECKPOINT, **m),
         fxckpt_spec("fxckpt_offload_all", 'offload="all"', offload="all", **m),
     )  # fmt: skip
@@ -416,8 +423,8 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
     """``compiler``: "eager" (aot_autograd, no code generation) or "inductor".
 
     ``budgets``: the bytes behind each memory_budget placeholder (``AT_FULL_CHECKPOINT``,
-    ``AT_SAVE_ON_CPU``, either :func:`scaled`) and each peak_budget placeholder
-    (``PEAK_OF_FULL_CHECKPOINT``, ``PEAK_OF_SAVE_ON_CPU``); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
+    ``AT_SAVE_ON_CPU``: that baseline's measured absolute step peak) and, for :func:`scaled`
+    ones, its start level (:func:`start_of`); ``budget_bytes`` is ``AT_FULL_CHECKPOINT``'s
     alone. Kinds ending in ``_link`` copy through the emulated host link
     (``fxckpt.emulate_link``) on the compute thread, as those methods copy on the compute
     stream: ``save_on_cpu_link`` and ``torch_offload_link`` (``benchmarks/link_peers.py``)."""
@@ -476,14 +483,19 @@ def build_runner(spec: MethodSpec, model: Decoder, device: torch.device, compile
         known = dict(budgets or {})
         if budget_bytes is not None:
             known.setdefault(AT_FULL_CHECKPOINT, int(budget_bytes))
-        for key, sources in (("memory_budget", BUDGET_SOURCES), ("peak_budget", PEAK_SOURCES)):
-            placeholder, _, factor = str(options.get(key, "")).partition("*")
-            if placeholder in sources.values():
-                if placeholder not in known:
-                    raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
-                options[key] = int(known[placeholder] * float(factor or 1.0))
+        placeholder, _, factor = str(options.get("memory_budget", "")).partition("*")
+        if placeholder in BUDGET_SOURCES.values():
+            if placeholder not in known:
+                raise ValueError(f"{spec.name} needs the measured bytes of {placeholder} first")
+            peak, start = known[placeholder], known.get(start_of(placeholder), 0)
+            options["memory_budget"] = int(start + (peak - start) * float(factor or 1.0))
         options["compiler"] = compiler
-        call = torch.compile(model, backend="fxckpt", options=options, dynamic=False)
+        # A fresh backend object here too: torch.compile's wrappers of a named backend compare
+        # equal when their options do, and then a second copy of the model (save_on_cpu's
+        # budget is full checkpointing's on the CPU) would run the first one's graphs, and
+        # share its step's account (two models' parameters in one start level).
+        call = torch.compile(model, backend=fresh_backend("fxckpt"), options=options,
+                             dynamic=False)
         return Runner(spec, model, call, f"fxckpt/{compiler}", options)
     raise ValueError(f"unknown method kind {kind!r}")
 

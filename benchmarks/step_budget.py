@@ -207,8 +207,9 @@ def sweep(compiler: str = "eager") -> dict[str, Any]:
 def choice(steps: int = 5, batch: int = 4, seq: int = 512) -> dict[str, Any]:
     """At per-block checkpointing's measured step peak: fxckpt's step time against each method
     that fits, all measured in this one process."""
-    import fxckpt
     from torch.utils.checkpoint import checkpoint
+
+    import fxckpt
 
     torch.manual_seed(0)
     base = Decoder(CHOICE)

@@ -133,11 +133,11 @@ def moe() -> Case:
 
 
 def lora_streamed() -> Case:
+    import copy
+
     import peft
 
     import fxckpt
-
-    import copy
 
     base = _hf_llama()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -12,16 +12,16 @@ under one emulated host link per model:
 - ``fxckpt stream``: ``fxckpt.stream_weights(model, frozen_only=...)`` (the frozen base of a
   LoRA model; every weight under full fine-tuning), each streamed weight copied to the device
   ahead of each use, in the forward and again in the backward;
-- ``fxckpt 50% off`` and ``fxckpt 90% off``: the same, under a ``device_budget`` of the saved
-  activations' planned peak, the streamed copies in flight (three of the largest weight) and
+- ``fxckpt 50% off`` and ``fxckpt 90% off``: the same, under a ``memory_budget`` (the step's
+  absolute device peak, in bytes) of the ``fxckpt stream`` step's measured absolute peak and
   50 % / 10 % of the streamed bytes: the plan keeps what fits on the device across steps and
   streams the rest;
 - ``eager swap`` (frozen weights only): the block swap users write today, in eager mode: each
   block's forward copies its streamed weights in through the same link (blocking, compute
   waits) and frees them after; each block is checkpointed, so the backward swaps it in again;
-- ``fxckpt low peak`` (beside the swap): small ``device_budget`` values (saved activations
-  offloaded or recomputed too), from the smallest that plans up; the fastest whose measured
-  peak is at most the swap's, else the one of the lowest peak.
+- ``fxckpt low peak`` (beside the swap): small ``memory_budget`` values (saved activations
+  offloaded or recomputed too), from the smallest that runs (``BudgetError.smallest_bytes``)
+  up; the fastest whose measured peak is at most the swap's, else the one of the lowest peak.
 
 The link is sized per model so that a block's weight copy takes 1.61x the block's forward
 compute, as on the target: a block at 4096 tokens (a Flux DiT at 1024x1024, a decoder at 4k),
@@ -66,6 +66,7 @@ import fxckpt
 from benchmarks import pareto
 from benchmarks.heap import keep_freed_blocks
 from benchmarks.weight_models import BUILDERS, Workload, build, plain
+from fxckpt.errors import BudgetError
 
 TARGET_COPY_TO_COMPUTE = (1 / 4096) / (25e9 / 165e12)
 # The parameters fxckpt.stream_weights leaves resident by default; the swap leaves them too.
@@ -127,7 +128,7 @@ def _swap(work: Workload, model: nn.Module, copied: list[float]) -> None:
                          torch.utils.checkpoint.checkpoint(g, *a, use_reentrant=False, **k))  # fmt: skip
 
 
-def run(name: str, method: str, smoke: bool, steps: int, device_budget: int | None = None
+def run(name: str, method: str, smoke: bool, steps: int, memory_budget: int | None = None
         ) -> dict[str, Any]:
     torch._dynamo.reset()
     gc.collect()  # the last method's model, and the weight copies it kept on the device
@@ -142,7 +143,7 @@ def run(name: str, method: str, smoke: bool, steps: int, device_budget: int | No
     if method == "eager swap":
         _swap(work, model, copied)
     else:
-        options = {"compiler": "eager"} | ({"device_budget": device_budget} if device_budget else {})
+        options = {"compiler": "eager"} | ({"memory_budget": memory_budget} if memory_budget else {})
         run_model = torch.compile(model, backend="fxckpt", options=options)
     times, exposed = [], []
     for _ in range(steps + 1):  # timed without the meter, whose bookkeeping costs time
@@ -166,7 +167,7 @@ def run(name: str, method: str, smoke: bool, steps: int, device_budget: int | No
            "exposed_copy_ms": statistics.median(exposed[1:]) * 1e3,
            "absolute_peak_bytes": max(peaks), "start_bytes": starts[-1], "grads": grads}  # fmt: skip
     if method.startswith("fxckpt"):
-        row |= {"device_budget": device_budget,
+        row |= {"memory_budget": memory_budget,
                 "planned_resident_weight_bytes": sum(p.resident_weight_bytes for p in plans),
                 "planned_activation_peak_bytes": sum(p.resident_peak_bytes for p in plans),
                 "weight_h2d_bytes_per_step": sum(p.weight_h2d_bytes for p in plans),
@@ -176,25 +177,38 @@ def run(name: str, method: str, smoke: bool, steps: int, device_budget: int | No
     return row
 
 
+def _budget_error(e: BaseException | None) -> BudgetError | None:
+    """The BudgetError ``e`` is or carries (dynamo wraps a compile's: its inner_exception)."""
+    while e is not None and not isinstance(e, BudgetError):
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return e
+
+
+def _smallest_budget(name: str, smoke: bool, steps: int) -> int:
+    """The smallest ``memory_budget`` the streamed model runs under: the figure the
+    BudgetError of a one-byte budget names."""
+    try:
+        run(name, "fxckpt low peak", smoke, steps, memory_budget=1)
+    except Exception as e:  # noqa: BLE001 (a BudgetError, unwrapped here; anything else raises)
+        if (err := _budget_error(e)) is None:
+            raise
+        return err.smallest_bytes
+    raise AssertionError("a one-byte memory_budget ran")
+
+
 def _at_swap_peak(name: str, smoke: bool, steps: int, largest: int, swap_peak: int,
                   tries: int = 6) -> dict[str, Any]:
-    """fxckpt beside the swap at equal measured peak: ``tries`` device budgets from the
-    smallest that plans up, by half the largest streamed weight each; the fastest whose
-    measured absolute peak is at most the swap's, else the one of the lowest peak. (The
-    smallest budget that plans need not peak lowest: with less room for saved activations the
-    backward may recompute more at once.)"""
-    budget, found = 2 * largest, []
-    while len(found) < (1 if smoke else tries):
-        budget += largest // 2
-        try:
-            row = run(name, "fxckpt low peak", smoke, steps, device_budget=budget)
-        except Exception as e:  # BudgetError, inside dynamo's BackendCompilerFailed
-            if "cannot meet device_budget" not in str(e):
-                raise
-            continue
-        print(f"    device_budget {budget / 2**20:6.2f} MiB: step {row['step_ms']:7.1f} ms, "
+    """fxckpt beside the swap at equal measured peak: ``tries`` budgets from the smallest that
+    runs up, by half the largest streamed weight each; the fastest whose measured absolute
+    peak is at most the swap's, else the one of the lowest peak. (The smallest budget need
+    not peak lowest: with less room the backward may recompute more at once.)"""
+    budget, found = _smallest_budget(name, smoke, steps), []
+    for _ in range(1 if smoke else tries):
+        row = run(name, "fxckpt low peak", smoke, steps, memory_budget=budget)
+        print(f"    memory_budget {budget / 2**20:6.2f} MiB: step {row['step_ms']:7.1f} ms, "
               f"absolute device peak {row['absolute_peak_bytes'] / 2**20:7.2f} MiB", flush=True)  # fmt: skip
         found.append(row)
+        budget += largest // 2
     within = [r for r in found if r["absolute_peak_bytes"] <= swap_peak]
     if within:
         return min(within, key=lambda r: r["step_ms"])
@@ -222,11 +236,11 @@ def bench(name: str, smoke: bool, steps: int, mbps: float | None) -> dict[str, A
     with fxckpt.emulate_link(mbps * 1e6):
         for method in ("resident", "fxckpt stream"):
             report(run(name, method, smoke, steps))
-        activations = rows[1]["planned_activation_peak_bytes"]
+        streamed_peak = rows[1]["absolute_peak_bytes"]  # every streamed weight in host memory
         weight_bytes, largest = rows[1]["streamed_bytes"], rows[1]["largest_streamed_bytes"]
         for off in (0.5, 0.9):
-            budget = activations + 3 * largest + int((1 - off) * weight_bytes)
-            report(run(name, f"fxckpt {int(off * 100)}% off", smoke, steps, device_budget=budget))
+            budget = streamed_peak + int((1 - off) * weight_bytes)
+            report(run(name, f"fxckpt {int(off * 100)}% off", smoke, steps, memory_budget=budget))
         if rows[1]["planned_resident_weight_bytes"] == 0 and frozen_only:
             report(run(name, "eager swap", smoke, steps))
             report(_at_swap_peak(name, smoke, steps, largest, rows[-1]["absolute_peak_bytes"]))

@@ -5,7 +5,7 @@ text tokens, LoRA rank 16 on the attention projections (peft). Built on the meta
 ``fxckpt inspect``: nothing is allocated.
 
     fxckpt inspect examples/flux_stream.py:factory --stream-weights --frozen-only \\
-        --device-budget 24GiB --html flux.html
+        --budget 24GiB --html flux.html
 
 ``small()`` is the same model at a size that trains on a CPU in seconds.
 """

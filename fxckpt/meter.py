@@ -210,6 +210,8 @@ def held_on_device(holding: Any, device: torch.device) -> int:
         ptr = storage.data_ptr()
         if ptr and ptr not in host:
             seen[ptr] = storage.nbytes()
+        elif device.type == "meta":  # no addresses: planning offline (fxckpt inspect)
+            seen[id(t)] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -230,6 +232,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 class _Calibrating(threading.local):
     meter: Meter | None = None
+    measuring: Meter | None = None  # a user's meter running on this thread
 
 
 # The step a memory budget measures once on its own (fxckpt.planning.step_budget), on this
@@ -292,6 +295,12 @@ class Meter:
             host_marks.stop(self._marks_from)
 
     def __enter__(self) -> Meter:
+        if _calibrating.measuring is not None and self._cuda is None:
+            raise FxckptError(
+                "fxckpt.measure: another fxckpt meter is measuring on this thread, and the CPU "
+                "meter needs the allocator's reports to itself; measure the calls one after "
+                "the other, not one inside the other"
+            )
         if not self.calibration and (other := _calibrating.meter) is not None:
             if other.ended_ns is not None:  # its step is over: finish it, it has its figure
                 other.__exit__(None, None, None)
@@ -313,6 +322,8 @@ class Meter:
             self._marks_from = host_marks.start()
         if self.calibration:
             _calibrating.meter = self
+        else:
+            _calibrating.measuring = self
         return self
 
     def __exit__(
@@ -323,6 +334,8 @@ class Meter:
         self.finished = True
         if _calibrating.meter is self:
             _calibrating.meter = None
+        if _calibrating.measuring is self:
+            _calibrating.measuring = None
         if self._cuda is not None:
             self._cuda.synchronize(self.device)
             end = self._cuda.allocated(self.device)

@@ -40,7 +40,7 @@ def run(budget, **options) -> tuple[fxckpt.Plan, fxckpt.Measurement]:
     return plan, measured
 
 
-def run_compiled(budget, **options) -> tuple[fxckpt.Plan, fxckpt.Measurement, object]:
+def run_compiled(budget, **options) -> tuple[fxckpt.Plan, fxckpt.Measurement, torch.nn.Module]:
     """:func:`run`, and the compiled model, warm."""
     torch._dynamo.reset()
     fxckpt.reset_stats()
@@ -88,6 +88,7 @@ def test_byte_budgets_between_the_lowest_plan_and_plain_hold(share: float) -> No
     assert plan.step["total_bytes"] == pytest.approx(measured.absolute_peak_bytes, abs=SLACK)
     # The runtime's own count of the kept tensors is planned, and the meter sees at least it
     # left for the backward by a forward.
+    compiled.zero_grad(set_to_none=True)  # a kept gradient would count in the next step's start
     held = measure_forward(compiled, gpt_inputs(**INPUTS), warm=False).held_bytes
     assert 0 < fxckpt.stats()["planned_kept_bytes"] <= held
 
@@ -139,6 +140,24 @@ def _budget_error(err: BaseException | None) -> fxckpt.BudgetError:
     return err
 
 
+def first_error(budget: int, steps: int = 5, **options) -> fxckpt.BudgetError:
+    """The BudgetError that training under ``budget`` raises. The verdict waits for what eager
+    code holds to be measured (the third step, usually); the steps before it run the lowest
+    plans."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(**GPT_KW)
+    backend = fxckpt.backend(compiler="eager", memory_budget=budget, cost_model="unit", **options)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        try:
+            compiled(*gpt_inputs(**INPUTS)).backward()
+        except Exception as e:  # noqa: BLE001 (unwrapped and checked)
+            return _budget_error(e)
+    raise AssertionError(f"no BudgetError in {steps} steps under memory_budget={budget}")
+
+
 def test_auto_budget_resolves_on_cpu() -> None:
     # A roomy card: plain min-cut's plan fits, and everything is kept.
     with fxckpt.emulate_device_memory("64MiB"):
@@ -164,12 +183,7 @@ def test_auto_budget_resolves_on_cpu() -> None:
 
 
 def test_infeasible_budget_raises_with_the_smallest_figure() -> None:
-    torch.manual_seed(0)
-    model = GPT(**GPT_KW)
-    backend = fxckpt.backend(compiler="eager", memory_budget=1000, offload="never", cost_model="unit")
-    with pytest.raises(Exception) as info:
-        torch.compile(model, backend=backend)(*gpt_inputs(**INPUTS)).backward()
-    err = _budget_error(info.value)
+    err = first_error(1000, offload="never")
     assert err.budget_bytes == 1000 and err.smallest_bytes > 1000
     assert err.scope == "step" and err.parts["start_bytes"] > 1000  # the weights alone are more
     assert "offload='auto'" in str(err)
@@ -263,11 +277,7 @@ def test_an_unset_stride_is_relaxed_and_a_set_one_is_kept() -> None:
     plan, measured = run(budget, offload="never")
     assert measured.absolute_peak_bytes <= budget
     assert any(n.startswith("segment_stride is unset: recomputes blocks") for n in plan.notes)
-    # A step of one graph: the miss is known when the graph compiles.
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        run(budget, offload="never", segment_stride=0)
-    err = info.value.inner_exception
-    assert isinstance(err, fxckpt.BudgetError), type(err)
+    err = first_error(budget, offload="never", segment_stride=0)
     assert err.budget_bytes == budget < err.smallest_bytes
     assert any("segment_stride unset" in s for s in err.suggestions), err.suggestions
     assert "offload='auto'" in err.suggestions

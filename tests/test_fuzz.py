@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import gc
 import os
+import re
 import warnings
 from typing import Any
 
@@ -28,7 +29,7 @@ from equality import assert_step_matches
 from fuzz_models import MENU, Spec, build
 from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
-from measured import measure_forward
+from measured import measure_absolute_step, measure_forward
 
 import fxckpt
 from fxckpt.runtime import engine, ops, pool
@@ -364,46 +365,73 @@ def test_regression_dropout_then_transpose_is_recognised_as_torchs_bug() -> None
     check(dataclasses.replace(spec, residual=True), options)
 
 
-POOL_CAPPED = Spec(ops=("linear",), n_blocks=2, d=8, batch=1, seq=4, residual=False)
+# Found by the nightly fuzz on a smaller model (Spec(("linear",), n_blocks=2, d=8, batch=1,
+# seq=4), memory_budget=0.5 of the saved bytes): the solver met the budget by offloading two
+# tensors, the 4 KiB pool cap then kept one on the device, and the plan ran over the budget,
+# with on_infeasible="raise" and only the pool's warning. Under memory_budget as the step's
+# absolute peak the model must be large enough for an offload to lower that peak: here the
+# plain step peaks at 89 KB, and offloading meets 80 KB (73 KB measured) where the host pool
+# can take the offloads, and cannot where it holds 4 KiB.
+POOL_CAPPED = Spec(ops=("linear",), n_blocks=2, d=8, batch=8, seq=64, residual=False)
+POOL_CAPPED_BUDGET = 80_000
 POOL_CAPPED_OPTIONS = {
-    "compiler": "eager", "offload": "auto", "cost_model": "unit", "memory_budget": 0.5,
-    "min_offload_bytes": 0, "pinned_pool_bytes": 4096,
+    "compiler": "eager", "offload": "auto", "cost_model": "unit",
+    "memory_budget": POOL_CAPPED_BUDGET, "min_offload_bytes": 0, "pinned_pool_bytes": 4096,
 }  # fmt: skip
 
 
-def test_regression_pool_cap_over_budget_raises_budget_error() -> None:
-    # Found by the nightly fuzz: the solver met the budget (216 B) by offloading two tensors,
-    # the 4 KiB pool cap then kept one on the device, and the plan ran at 304 B, over the
-    # budget, with on_infeasible="raise" and only the pool's warning. It now raises.
-    # Per graph, it raises when the graph compiles.
+def _budget_error_in_steps(options: dict[str, Any], steps: int = 5) -> fxckpt.BudgetError:
+    """The BudgetError that training POOL_CAPPED under ``options`` raises (the verdict waits
+    for what eager code holds to be measured: the third step, usually)."""
     model, inputs = build(POOL_CAPPED)
-    per_graph = fxckpt.backend(**POOL_CAPPED_OPTIONS, budget_scope="graph")
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        torch.compile(model, backend=per_graph)(*inputs).backward()
-    err = info.value.inner_exception
-    assert isinstance(err, fxckpt.BudgetError), type(err)
-    assert err.smallest_bytes > err.budget_bytes
-    assert "a larger host_budget or an offload_dir" in err.suggestions
-    # For the step (the default), under a fraction a later graph could still make room, so
-    # it raises in the step's backward: the same budget, floor and hints (one graph).
+    compiled = torch.compile(model, backend=fxckpt.backend(**options))
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        try:
+            compiled(*inputs).backward()
+        except Exception as e:  # noqa: BLE001 (unwrapped and checked below)
+            err: BaseException | None = e
+            while err is not None and not isinstance(err, fxckpt.BudgetError):
+                err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+            assert isinstance(err, fxckpt.BudgetError), e
+            return err
+    raise AssertionError(f"no BudgetError in {steps} steps")
+
+
+def test_regression_pool_cap_over_budget_raises_budget_error() -> None:
+    # Without the cap the budget holds, by the meter.
+    uncapped = {k: v for k, v in POOL_CAPPED_OPTIONS.items() if k != "pinned_pool_bytes"}
+    model, inputs = build(POOL_CAPPED)
+    compiled = torch.compile(model, backend=fxckpt.backend(**uncapped))
+    assert measure_absolute_step(compiled, model, inputs).absolute_peak_bytes <= POOL_CAPPED_BUDGET
+    assert fxckpt.last_plans()[0].offloaded_bytes > 0
+    # With it, the offloads the budget needs do not fit the pool: the step raises, naming the
+    # pool as what would go lower.
     torch._dynamo.reset()
-    with pytest.raises(fxckpt.BudgetError) as step_info:
-        torch.compile(model, backend=fxckpt.backend(**POOL_CAPPED_OPTIONS))(*inputs).backward()
-    got = step_info.value
-    assert (got.budget_bytes, got.smallest_bytes, got.suggestions, got.scope) == (
-        err.budget_bytes, err.smallest_bytes, err.suggestions, "graph"
-    )
+    fxckpt.reset_stats()
+    err = _budget_error_in_steps(POOL_CAPPED_OPTIONS)
+    assert err.scope == "step" and err.budget_bytes == POOL_CAPPED_BUDGET < err.smallest_bytes
+    assert "a larger host_budget or an offload_dir" in err.suggestions
+    # Written back, the figure runs under the same cap, and the meter holds it.
+    torch._dynamo.reset()
+    fxckpt.reset_stats()
+    model, inputs = build(POOL_CAPPED)
+    compiled = torch.compile(model, backend=fxckpt.backend(**{**POOL_CAPPED_OPTIONS,
+                                                              "memory_budget": err.smallest_bytes}))
+    assert measure_absolute_step(compiled, model, inputs).absolute_peak_bytes <= err.smallest_bytes
 
 
 def test_regression_pool_cap_over_budget_warns_in_warn_mode() -> None:
     model, inputs = build(POOL_CAPPED)
     backend = fxckpt.backend(**POOL_CAPPED_OPTIONS, on_infeasible="warn")
     with pytest.warns(UserWarning, match="cannot meet memory_budget") as record:
-        assert_step_matches(model, inputs, backend)
-    assert any("to go lower: a larger host_budget or an offload_dir" in str(w.message) for w in record)
-    (plan,) = fxckpt.last_plans()
-    assert plan.resident_peak_bytes is not None and plan.budget_bytes is not None
-    assert plan.resident_peak_bytes > plan.budget_bytes
+        compiled = assert_step_matches(model, inputs, backend, steps=3)
+        measured = measure_absolute_step(compiled, model, inputs, warm=1)
+    budget_warnings = [str(w.message) for w in record if "cannot meet memory_budget" in str(w.message)]
+    assert any("to go lower: a larger host_budget or an offload_dir" in m for m in budget_warnings)
+    # The smallest plan runs: over the budget, within the figure the warning names.
+    named = [int(n) for m in budget_warnings for n in re.findall(r"memory_budget=(\d+) \(", m)]
+    assert POOL_CAPPED_BUDGET < measured.absolute_peak_bytes <= max(named)
 
 
 STUCK_RECOMPUTE = Spec(ops=("gelu",), n_blocks=3, d=8, batch=1, seq=4, offset=1, residual=False,

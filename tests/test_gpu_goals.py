@@ -17,8 +17,8 @@ def _row(method, step_ms, peak, **extra):
             "step_peak_bytes": peak, "grads_match": True, **extra}
 
 
-def _plan(simulated, budget, offloads=2, exposed=0):
-    return {"simulated_peak_bytes": simulated, "budget_bytes": budget, "offloads": offloads,
+def _plan(predicted, budget, offloads=2, exposed=0):
+    return {"predicted_peak_bytes": predicted, "budget_bytes": budget, "offloads": offloads,
             "exposed_offloads": exposed, "assumptions": {}}
 
 
@@ -83,10 +83,16 @@ def test_the_measurement_runs_end_to_end_on_a_tiny_decoder():
     for r in got:
         assert not r.get("unavailable"), r
         assert r["grads_match"], r["grads_note"]
-        assert r["step_peak_bytes"] > 0
+        # The absolute step peak: above what the step started with (the model, the batch).
+        assert r["step_peak_bytes"] > r["step_start_bytes"] > 0
+    # The rows at a baseline's memory hold memory_budget to its measured absolute step peak.
     assert by[g.AT_FULL]["options"]["memory_budget"] == by["full_checkpoint"][
-        "held_after_first_forward_bytes"]
-    assert by[g.AT_SOC]["plan"]["budget_bytes"] is not None
+        "budget_source_bytes"] > by["full_checkpoint"]["start_bytes"]
+    assert by[g.AT_SOC]["options"]["memory_budget"] == by["save_on_cpu"]["budget_source_bytes"]
+    for name in (g.AT_FULL, g.AT_SOC):
+        plan = by[name]["plan"]
+        assert plan["budget_bytes"] == by[name]["options"]["memory_budget"]
+        assert plan["predicted_peak_bytes"] == plan["predicted_parts"]["total_bytes"] > 0
     goals = g.judge(got, label="cpu")
     assert list(goals) == list(GOAL_KEYS)
     for key in ("peak_vs_simulator", "at_full_ckpt_memory", "no_offload_overhead",

@@ -45,7 +45,7 @@ def _plan_under(budget: int) -> fxckpt.Plan:
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fxckpt.emulate_link("2MB/s"):
-        _assert_matches_eager(Blocks(depth=4), {"compiler": "eager", "device_budget": budget}, x_rows=512)
+        _assert_matches_eager(Blocks(depth=4), {"compiler": "eager", "memory_budget": budget}, x_rows=512)
     return fxckpt.last_plans()[-1]
 
 
@@ -54,7 +54,9 @@ def test_a_plan_with_streamed_weights_says_what_their_copies_are_estimated_to_co
     # millisecond of the block's compute: the forward waits for nearly every copy.
     kept = _plan_under(10**9)
     weight = 64 * 64 * 4
-    streamed = _plan_under(kept.resident_peak_bytes + 3 * weight)  # room for the copies in flight
+    # A step budget of about the saved activations and three weights' copies: the step runs,
+    # with no room beside it to keep a weight on the device.
+    streamed = _plan_under(kept.resident_peak_bytes + 3 * weight)
     assert kept.weights and all(w.decision == "resident" for w in kept.weights)
     assert all(w.decision == "stream" for w in streamed.weights if w.bytes == weight)
     for plan in (kept, streamed):

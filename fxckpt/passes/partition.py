@@ -177,7 +177,12 @@ def _weight_copies(ctx: Context) -> None:
     assert ctx.fw is not None and ctx.bw is not None and ctx.plan is not None
     room = None
     if ctx.target is not None:
-        live = ctx.live_of(ctx.fw, ctx.bw)
+        # The room beside the plan's peak with every weight streamed and each trainable
+        # weight's gradient on its way to the host, as the graphs will run: scheduled on
+        # copies first, so that the gradients' device bytes are not counted to the end.
+        trial_fw, trial_bw, _, _ = place_weights(clone_joint(ctx.fw), clone_joint(ctx.bw),
+                                                 ctx.options.runtime_settings().key(), None)
+        live = ctx.live_of(trial_fw, trial_bw)
         room = min(ctx.target.forward - live.forward_peak, ctx.target.backward - live.backward_peak)
     ctx.fw, ctx.bw, ctx.plan.weights, note = place_weights(
         ctx.fw, ctx.bw, ctx.options.runtime_settings().key(), room, ctx.graph_name)
@@ -241,13 +246,13 @@ def _plan(ctx: Context) -> None:
     attempt = plan_at(target)
     if ctx.sizes and target is not None and if_feasible(attempt):
         # Under dynamic shapes the plan holds at other sizes while its saved activations stay
-        # within what they are here plus the room the target leaves (planning.size_range).
+        # within what they are here: everything else the graph holds grows with the sizes
+        # too (attention's temporaries faster than what a plan saves), so a size that saves
+        # more gets a plan of its own.
         assert attempt.decision is not None
         sim = attempt.decision.solution.sim
-        saved_peak = max(r - f for r, f in zip(sim.resident, attempt.decision.problem.timeline.fixed_resident
-                                               or [0] * len(sim.resident), strict=True))  # fmt: skip
-        room = max(0, target.largest - sim.peak)
-        allowed = saved_peak + room
+        fixed = attempt.decision.problem.timeline.fixed_resident or [0] * len(sim.resident)
+        allowed = max(r - f for r, f in zip(sim.resident, fixed, strict=True))
         check = functools.partial(check_attempt, base_fw=ctx.base[0], baseline=ctx.baseline,
                                   options=options, budget=allowed)  # fmt: skip
         ctx.range_check = check(attempt)

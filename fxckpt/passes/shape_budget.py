@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -208,8 +207,8 @@ def check_budget(
     budget: int | None,
 ) -> BudgetCheck:
     """Rule 2's guards for one plan, and rule 1's check over the ranges fixed by
-    ``mark_dynamic`` (module docstring). ``budget`` is the user's, in bytes at the planning
-    sizes; a fraction is checked against each length's own baseline."""
+    ``mark_dynamic`` (module docstring). ``budget``: the saved activations the plan allows
+    itself, in bytes (what its target allows the whole graph, scaled to what it saves)."""
     if budget is None:
         return BudgetCheck()
     sym = _storage_nbytes(fw, final)
@@ -219,17 +218,9 @@ def check_budget(
     env = next(b.node.shape_env for b in sym_bytes if isinstance(b, torch.SymInt))
     sets = peak_candidates(problem, kinds, d2h_done, prefetch_issue, sym_bytes)
     totals = [torch.sym_sum([sym_bytes[i] for i in sorted(m)]) for m in sets]
-    if options.memory_budget is None or _byte_budget(options):  # None: device_budget's room
-        bound: Any = budget
-        scale = 1
-        what = (f"memory_budget={budget} bytes" if options.memory_budget is not None else
-                f"device_budget's {budget} bytes for the saved activations")  # fmt: skip
-    else:
-        fraction = Fraction(str(options.memory_budget))
-        base = _storage_nbytes(baseline_fw, baseline)
-        bound = torch.sym_sum(list(base.values())) * fraction.numerator
-        scale = fraction.denominator
-        what = f"memory_budget={options.memory_budget} of each length's baseline"
+    bound: Any = budget
+    scale = 1
+    what = f"the {budget} bytes of saved activations its plan allows"
     if len(sets) > MAX_GUARDS:
         # Every candidate's bytes are >= 0 at any size, so the union's bytes bound each set's.
         totals = [torch.sym_sum([sym_bytes[i] for i in sorted(set().union(*sets))])]

@@ -333,8 +333,10 @@ class StepBudget:
         """Graph ``key`` missed its target at its lowest plan: the graphs before it in this
         step plan again for what the step now leaves them (:meth:`_rebalance`). The verdict
         waits for the step's end: only then are its graphs, its runs and what eager code
-        holds known, and the figure it names one that runs."""
-        self._rebalance()
+        holds known, and the figure it names one that runs. (A fraction is each graph's own:
+        nothing to settle.)"""
+        if self.budget is not None:
+            self._rebalance()
 
     def verdict(self, graph: str | None) -> None:
         """Raise (or warn) that the step cannot meet its budget, naming the smallest budget

@@ -263,8 +263,15 @@ def weight_prefetch(
 ) -> torch.Tensor:
     """Start copying the streamed host weight ``w`` to ``device`` on the copy engine's
     host-to-device queue; returns the handle that ``fxckpt::wait`` takes (as handle and as
-    ticket). ``after``: outputs of the node the plan issues the copy after."""
+    ticket). ``after``: outputs of the node the plan issues the copy after.
+
+    A device copy an earlier plan kept of ``w`` is let go here: the plan running now streams
+    ``w`` (a re-plan kept fewer weights), and the kept copy would only hold device memory."""
     _check_host(w, "weight_prefetch")
+    if _RESIDENT:
+        ptr = w.untyped_storage().data_ptr()
+        for key in [k for k in list(_RESIDENT) if k[0] == ptr]:
+            _RESIDENT.pop(key, None)
     span = span_of(w)
     nbytes = span * w.element_size()
     rec = Transfer(
