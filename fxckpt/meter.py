@@ -192,7 +192,7 @@ def held_on_device(holding: Any, device: torch.device) -> int:
     """Bytes of the storages on ``device`` that ``holding`` reaches, each once, fxckpt's host
     memory left out: a module's parameters, buffers and their gradients, and any tensors (in
     lists, tuples, dicts); and the streamed weights' device copies fxckpt keeps across steps."""
-    from fxckpt.runtime.weight_ops import resident_copies
+    from fxckpt.runtime.weight_ops import is_host_tensor, resident_copies
 
     tensors: list[torch.Tensor] = resident_copies()
     for leaf in pytree.tree_leaves(holding):
@@ -210,7 +210,7 @@ def held_on_device(holding: Any, device: torch.device) -> int:
         ptr = storage.data_ptr()
         if ptr and ptr not in host:
             seen[ptr] = storage.nbytes()
-        elif device.type == "meta":  # no addresses: planning offline (fxckpt inspect)
+        elif device.type == "meta" and not is_host_tensor(t):  # offline: no addresses
             seen[id(t)] = storage.nbytes()
     return sum(seen.values())
 

@@ -120,6 +120,7 @@ def stream_weights(
         old = places[0][2]
         if old.device.type == "meta":  # planning offline (fxckpt inspect): shapes, no data
             new = nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad)
+            weight_ops.mark_host(new)  # host memory on the machine it plans for
         else:
             host = torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=pinned)
             with torch.no_grad():

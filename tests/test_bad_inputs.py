@@ -302,12 +302,17 @@ def test_explicit_options_override_a_bad_env_value(monkeypatch: pytest.MonkeyPat
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpt_step(options: dict[str, Any]) -> None:
+def _gpt_steps(options: dict[str, Any], steps: int = 4) -> None:
+    """Train ``steps`` steps: a budget the step cannot meet raises at the start of the step
+    after the one whose eager code was measured (the third, here)."""
     torch._dynamo.reset()
     fxckpt.reset_stats()
     torch.manual_seed(0)
     model = GPT(n_layers=2, d=32)
-    torch.compile(model, backend="fxckpt", options=options)(*gpt_inputs(seq=32)).backward()
+    compiled = torch.compile(model, backend="fxckpt", options=options)
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        compiled(*gpt_inputs(seq=32)).backward()
 
 
 @pytest.mark.parametrize(
@@ -320,40 +325,37 @@ def _gpt_step(options: dict[str, Any]) -> None:
 )
 def test_infeasible_budget_raises_budget_error_with_the_smallest_figure(options: dict[str, Any]) -> None:
     options = {"compiler": "eager", "cost_model": "unit", **options}
-    # The step is one graph: a budget it cannot meet fails at compile time, in dynamo's
-    # wrapper, before the step runs.
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        _gpt_step(options)
-    err = _inner(info.value)
-    assert isinstance(err, BudgetError), type(err)
+    # The error waits for the step's graphs, its runs and what eager code holds to be known:
+    # the start of the third step; the steps before it run the lowest plan.
+    with pytest.raises(BudgetError) as info:
+        _gpt_steps(options)
+    err = info.value
     assert err.scope == "step"
     assert 0 < err.budget_bytes < err.smallest_bytes
     assert f"cannot meet memory_budget={err.budget_bytes} bytes" in str(err)
     assert f"the smallest budget it runs under is memory_budget={err.smallest_bytes}" in str(err)
-    assert str(err) in str(info.value)
     assert "on_infeasible='warn'" in str(err)
     # The smallest figure covers the step's predicted peak there, split into its parts.
     parts = err.parts
     assert parts["start_bytes"] + parts["gradients_bytes"] + parts["activations_bytes"] == parts["total_bytes"]
     assert parts["total_bytes"] <= err.smallest_bytes
     assert parts["start_bytes"] > 0 and parts["activations_bytes"] > 0
-    # The smallest figure is achievable: as the budget, it compiles and the plan meets it.
-    _gpt_step({**options, "memory_budget": err.smallest_bytes})
-    (plan,) = fxckpt.last_plans()
+    # The smallest figure is achievable: as the budget, the steps run and the plan meets it.
+    _gpt_steps({**options, "memory_budget": err.smallest_bytes})
+    plan = fxckpt.last_plans()[-1]
     assert plan.budget_bytes == err.smallest_bytes
     assert plan.step is not None and plan.step["total_bytes"] <= err.smallest_bytes
-    # And it is the smallest: a byte less does not.
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        _gpt_step({**options, "memory_budget": err.smallest_bytes - 1})
-    assert isinstance(_inner(info.value), BudgetError)
+    # And it is near the smallest: a budget 1 % below it does not run.
+    with pytest.raises(BudgetError):
+        _gpt_steps({**options, "memory_budget": err.smallest_bytes * 99 // 100})
 
 
 @pytest.mark.parametrize("fraction", [0.001, 0.5, 1.0])
 def test_every_fraction_is_feasible(fraction: float) -> None:
     # A fraction spans the graph's own plans, from the lowest (near 0) to plain min-cut's
     # (1.0): no fraction is infeasible, however small, even with offloading off.
-    _gpt_step({"compiler": "eager", "cost_model": "unit", "memory_budget": fraction,
-               "offload": "never", "segment_stride": 1})
+    _gpt_steps({"compiler": "eager", "cost_model": "unit", "memory_budget": fraction,
+                "offload": "never", "segment_stride": 1}, steps=1)
     (plan,) = fxckpt.last_plans()
     assert plan.step is not None and plan.target is not None
     # The budget in bytes is the start level plus the graph's own target.
@@ -366,9 +368,12 @@ def test_every_fraction_is_feasible(fraction: float) -> None:
 def test_infeasible_budget_from_fxckpt_backend_is_the_same_error() -> None:
     torch.manual_seed(0)
     backend = fxckpt.backend(compiler="eager", cost_model="unit", memory_budget=1000, offload="never")
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        torch.compile(GPT(n_layers=2), backend=backend)(*gpt_inputs(seq=32)).backward()
-    err = _inner(info.value)
-    assert isinstance(err, BudgetError)
+    model = GPT(n_layers=2)
+    compiled = torch.compile(model, backend=backend)
+    with pytest.raises(BudgetError) as info:
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            compiled(*gpt_inputs(seq=32)).backward()
+    err = info.value
     assert err.budget_bytes == 1000 and err.smallest_bytes > 1000
     assert "offload='auto'" in err.suggestions

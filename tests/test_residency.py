@@ -25,8 +25,11 @@ EXTRA = 2048  # float32 elements of the copy the plan does not count: 8192 B
 
 
 def _payload(budget: int) -> str:
+    """A plan under a budget that counts its forward leaving ``KEPT`` floats for the backward
+    (its ``held_bytes``: what the step's budget was planned with)."""
     plan = {"name": "g#0", "budget_bytes": budget, "resident_peak_bytes": KEPT * 4,
-            "options": {"memory_budget": 0.5}}  # fmt: skip
+            "held_bytes": KEPT * 4, "target": {"forward_bytes": budget, "backward_bytes": budget},
+            "options": {"memory_budget": budget}}  # fmt: skip
     return json.dumps(plan)
 
 

@@ -124,4 +124,4 @@ def test_a_flux_dit_with_lora_trains_with_its_base_streamed_keeping_under_a_quar
     left = sum(p.nbytes for p in model.parameters() if not weight_ops.is_host(p))
     batch = sum(t.nbytes for t in (*inputs.values(), target) if isinstance(t, torch.Tensor))
     assert got[-1].start_bytes == left + batch + plan.resident_weight_bytes
-    assert 0 < plan.resident_weight_bytes < weight_bytes // 4
+    assert 0 <= plan.resident_weight_bytes < weight_bytes // 4

@@ -81,6 +81,7 @@ from fxckpt.passes.shape_budget import (
 )
 from fxckpt.passes.step_target import budget_stage, fraction_stage, report, search_blocks
 from fxckpt.passes.weights import place_weights, tag_streamed
+from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.plan import Plan, plan_payload
 from fxckpt.planning.plan_round import (
     Partition,
@@ -132,7 +133,10 @@ def partition(
         return run(ctx, graph_name, STAGES)
 
     with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
-        spare = clone_joint(joint) if options.memory_budget is not None else None
+        # Bytes are a bound: a plan over it is planned again. A fraction is a point between the
+        # graph's own lowest and plain plans: the plan made for it stands.
+        bound = options.memory_budget is not None and not isinstance(options.memory_budget, float)
+        spare = clone_joint(joint) if bound else None
         tries = [once(joint, 0)]
         while (spare is not None and tries[-1].over > 0 and not tries[-1].lowest
                and len(tries) < MAX_PLANS):
@@ -365,6 +369,14 @@ def _note(ctx: Context) -> None:
     plan.predicted_step_peak_bytes = ctx.live.peak
     plan.forward_peak_bytes, plan.backward_peak_bytes = ctx.peaks
     plan.held_bytes = ctx.held
+    if ctx.span is not None and ctx.target is not None:
+        # A fraction's own peak is where the planner's model put it; the rewritten graphs may
+        # hold a little more: that, in bytes, is the budget the plan holds.
+        own = max(*ctx.peaks, ctx.target.largest)
+        if ctx.ticket is not None:
+            ctx.ticket.fraction_target(PeakTarget(own, own), *ctx.span)
+            plan.budget_bytes = ctx.ticket.budget
+        plan.target = {"forward_bytes": own, "backward_bytes": own}
     if ctx.ticket is not None:
         plan.step = ctx.ticket.account(*ctx.peaks, ctx.held)
     payload = plan_payload(plan)

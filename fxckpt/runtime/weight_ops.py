@@ -67,10 +67,33 @@ def host_ptrs() -> set[int]:
         return set(_HOST)
 
 
+# The adopted tensors themselves: on the meta device (planning offline) storages have no
+# address to tell host memory by.
+_HOST_TENSORS: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor (tensors compare
+# elementwise, so no set of them)
+
+
+def mark_host(t: torch.Tensor) -> None:
+    """Count the meta tensor ``t`` as host memory when a step is planned offline."""
+    key = id(t)
+
+    def gone(_: object, k: int = key) -> None:
+        _HOST_TENSORS.pop(k, None)
+
+    _HOST_TENSORS[key] = weakref.ref(t, gone)
+
+
+def is_host_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor fxckpt adopted as host memory (a streamed weight)."""
+    ref = _HOST_TENSORS.get(id(t))
+    return ref is not None and ref() is t
+
+
 def adopt_host(t: torch.Tensor) -> torch.Tensor:
     """Count ``t``'s storage as fxckpt host memory for as long as the tensor ``t`` lives (a
     storage's Python object is made afresh at each ``untyped_storage()``, so the tensor, or the
     parameter made over it, is what is watched)."""
+    mark_host(t)
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
     host_marks.note(ptr)
