@@ -153,10 +153,13 @@ def test_mark_dynamic_max_that_a_byte_budget_cannot_hold_raises_naming_the_upper
     assert err.sizes.endswith("size()[1]=1024 (upper bound)")
     assert err.budget_bytes == budget < err.smallest_bytes
     assert f"memory_budget={err.smallest_bytes} (" in str(err)
-    # Written back, the figure holds up to 1024 tokens.
+    # Written back, the figure holds up to 1024 tokens, with the batch's own growth: the start
+    # level the error counted holds the 16-token batch the steps ran with (docs/limitations.md).
+    growth = sum(t.nbytes for t in _marked(1024, 1024)) - sum(t.nbytes for t in _marked(16, 1024))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=err.smallest_bytes, **OPTS))
-    assert _peak(compiled, model, _marked(1024, 1024)) <= err.smallest_bytes + SLACK
+    budget = err.smallest_bytes + growth
+    compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=budget, **OPTS))
+    assert _peak(compiled, model, _marked(1024, 1024)) <= budget + SLACK
     # The verdict waits for what eager code holds to be measured: the third step, usually.
     assert raised_at is not None and raised_at <= 3
 
