@@ -4,18 +4,15 @@
 
 A decoder is trained one step at growing sequence lengths (doubling from ``--seq-start``).
 At each length the script compiles it twice: plain (torch's own min-cut partitioner) and
-fxckpt with ``memory_budget=--budget``, and measures what a second, warm forward of each
-leaves on the device for its backward, with ``fxckpt.measure`` (the allocator's figures, not
-a plan's):
+fxckpt with ``memory_budget=--budget``, and measures the absolute device peak of a warm
+training step of each (what the device held when it started, the weights and the batch, plus
+the most it allocated), with ``fxckpt.measure`` (the allocator's figures, not a plan's); beside
+fxckpt's, its plan's prediction of that peak.
 
-- plain's saved bytes: everything min-cut saves;
-- fxckpt's resident bytes: what stays on the device (the rest is offloaded to host memory or
-  recomputed); beside it, the planner's simulated resident peak over forward+backward.
-
-A length *fits* when those bytes are within the budget. The script stops at the first length
-where fxckpt's plan is infeasible (``fxckpt.BudgetError``), at ``--max-seq``, or (the default)
-when the next length would not fit this machine's free memory, and reports the longest length
-fxckpt fits that plain compile does not. On a CPU-only machine "device" and
+A length *fits* when that peak is within the budget. The script stops at the first length
+where fxckpt cannot meet the budget (``fxckpt.BudgetError``), at ``--max-seq``, or (the
+default) when the next length would not fit this machine's free memory, and reports the
+longest length fxckpt fits that plain compile does not. On a CPU-only machine "device" and
 "host" are the same RAM, so the budget stands in for a GPU's memory; on CUDA the same run
 measures real device bytes.
 """
@@ -73,9 +70,9 @@ class Decoder(nn.Module):
 class Measurement:
     seq: int
     budget: int
-    plain_saved: int
-    fxckpt_resident: int | None  # None: no plan fits the budget at this length
-    fxckpt_peak: int | None  # the planner's simulated resident peak
+    plain_saved: int  # plain compile's measured step peak
+    fxckpt_resident: int | None  # fxckpt's measured step peak; None: no plan fits the budget
+    fxckpt_peak: int | None  # the step peak fxckpt's plan predicts
     offloaded: int = 0
     recomputed: int = 0
     max_grad_diff: float = math.nan
@@ -90,12 +87,13 @@ class Measurement:
         return self.fxckpt_resident is not None and self.fxckpt_resident <= self.budget
 
 
-def held_bytes(compiled: Any, *args: Any) -> int:
-    """What one more (warm) forward leaves on the device for its backward, the loss excluded,
-    measured by ``fxckpt.measure`` from the allocator (no plan is read); then its backward."""
-    m = fxckpt.measure(compiled, *args)
-    m.output.backward()
-    return m.held_bytes
+def step_peak(compiled: Any, model: nn.Module, *args: Any) -> int:
+    """The absolute device peak of one more (warm) training step, measured by
+    ``fxckpt.measure`` from the allocator (no plan is read): what the device held when the step
+    started (weights, batch) plus the most it allocated."""
+    model.zero_grad(set_to_none=True)
+    m = fxckpt.measure(lambda: compiled(*args).backward(), holding=(model, args))
+    return m.absolute_peak_bytes
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -124,7 +122,7 @@ def measure(
     plain_loss = plain(idx, tgt)
     plain_loss.backward()
     plain_grads = _grads(plain_model)
-    plain_saved = held_bytes(plain, idx, tgt)
+    plain_saved = step_peak(plain, plain_model, idx, tgt)
     del plain_model, plain
 
     torch._dynamo.reset()
@@ -136,24 +134,29 @@ def measure(
     compiled = torch.compile(model, backend="fxckpt", options=options)
     try:
         loss = compiled(idx, tgt)
-    except Exception as err:  # dynamo wraps BudgetError; look for it in the chain
+        loss.backward()
+        grads = _grads(model)
+        # The budget's verdict comes once the step's graphs and what eager code holds are
+        # known: a step or two after the first.
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            compiled(idx, tgt).backward()
+        resident = step_peak(compiled, model, idx, tgt)
+    except Exception as err:  # a BudgetError, maybe wrapped by dynamo: look in the chain
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, fxckpt.BudgetError):
-            cause = cause.__cause__ or cause.__context__
+            cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
         if cause is None:
             raise
         return Measurement(seq, budget, plain_saved, None, None)
-    loss.backward()
-    grads = _grads(model)
     plans = fxckpt.last_plans()
-    resident = held_bytes(compiled, idx, tgt)
     diff = max((grads[n] - plain_grads[n]).abs().max().item() for n in plain_grads)
     return Measurement(
         seq,
         budget,
         plain_saved,
         resident,
-        max((p.resident_peak_bytes or 0) for p in plans),
+        max(((p.step or {}).get("total_bytes", 0) for p in plans), default=0),
         offloaded=sum(p.offloaded_bytes for p in plans),
         recomputed=sum(p.recomputed_bytes for p in plans),
         max_grad_diff=diff,
@@ -162,8 +165,8 @@ def measure(
 
 
 def _machine_fits(last: Measurement, device: str) -> bool:
-    """Whether twice the last length should still fit the machine: saved bytes at least double,
-    and a step holds them about three times over (plain's, fxckpt's host copies, temporaries)."""
+    """Whether twice the last length should still fit the machine: a step's peak at least
+    doubles, and the machine holds it about three times over (plain's, fxckpt's host copies)."""
     need = 3 * 2 * last.plain_saved
     if device == "cuda":
         free = torch.cuda.mem_get_info()[0]
@@ -183,7 +186,8 @@ def _mib(n: int | None) -> str:
 
 def run(argv: list[str] | None = None) -> list[Measurement]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="64MiB", help="device bytes for saved activations")
+    parser.add_argument("--budget", default="64MiB",
+                        help="memory_budget: the step's device peak, weights and batch included")
     parser.add_argument("--seq-start", type=int, default=512)
     parser.add_argument(
         "--max-seq", type=int, default=0,
@@ -209,7 +213,7 @@ def run(argv: list[str] | None = None) -> list[Measurement]:
     base = Decoder(d=args.d, layers=args.layers).to(device)
     print(f"decoder: {args.layers} layers, d={args.d}, batch {args.batch}, on {device}; "
           f"budget {args.budget} = {budget} B; compiler {args.compiler} (plain: {plain_backend})")
-    print(f"{'seq':>7} {'plain saved MiB':>16} {'fxckpt resident MiB':>20} {'planned peak MiB':>16} "
+    print(f"{'seq':>7} {'plain peak MiB':>16} {'fxckpt peak MiB':>20} {'predicted MiB':>16} "
           f"{'offloaded MiB':>14} {'recomputed MiB':>15} {'plain':>6} {'fxckpt':>7}")
     results = []
     seq = args.seq_start
@@ -232,9 +236,9 @@ def run(argv: list[str] | None = None) -> list[Measurement]:
     if best:
         m = best[-1]
         print(f"\nlongest length fxckpt fits and plain compile does not: {m.seq} tokens; "
-              f"plain saves {_mib(m.plain_saved).strip()} MiB > budget {_mib(budget).strip()} MiB >= "
-              f"fxckpt resident {_mib(m.fxckpt_resident).strip()} MiB "
-              f"(peak {_mib(m.fxckpt_peak).strip()} MiB, {_mib(m.offloaded).strip()} MiB offloaded, "
+              f"plain's step peaks at {_mib(m.plain_saved).strip()} MiB > budget {_mib(budget).strip()} "
+              f"MiB >= fxckpt's {_mib(m.fxckpt_resident).strip()} MiB "
+              f"(predicted {_mib(m.fxckpt_peak).strip()} MiB, {_mib(m.offloaded).strip()} MiB offloaded, "
               f"{_mib(m.recomputed).strip()} MiB recomputed); "
               f"loss diff {m.loss_diff:.2e}, max grad diff {m.max_grad_diff:.2e}")
     else:
