@@ -114,9 +114,20 @@ if __name__ == "__main__":
     if args.stride is not None:
         options["segment_stride"] = args.stride
     print(f"fxckpt {fxckpt.__version__}, torch {torch.__version__}; options {options}")
-    fx_model = torch.compile(model, backend="fxckpt", options=options)
-    fx_losses, fx_step = train(fx_model, torch.optim.SGD(model.parameters(), lr=0.1), args.steps, data)
-    fx_peak = step_peak(fx_model, model, *data[0])
+    untrained = copy.deepcopy(model)
+    try:
+        fx_model = torch.compile(model, backend="fxckpt", options=options)
+        fx_losses, fx_step = train(fx_model, torch.optim.SGD(model.parameters(), lr=0.1), args.steps, data)
+        fx_peak = step_peak(fx_model, model, *data[0])
+    except fxckpt.BudgetError as err:  # no plan fits: the error names the smallest that does
+        print(f"{err.summary.split(': ', 1)[1]}\ntraining again under memory_budget={err.smallest_bytes}")
+        budget = options["memory_budget"] = err.smallest_bytes
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        model = untrained
+        fx_model = torch.compile(model, backend="fxckpt", options=options)
+        fx_losses, fx_step = train(fx_model, torch.optim.SGD(model.parameters(), lr=0.1), args.steps, data)
+        fx_peak = step_peak(fx_model, model, *data[0])
 
     for plan in fxckpt.last_plans():
         print(plan.summary())
