@@ -199,9 +199,10 @@ def test_a_graph_that_runs_in_every_block_holds_a_byte_budget(fraction: float) -
 def test_hf_gradient_checkpointing_holds_the_smallest_budget_it_names() -> None:
     # Torch's checkpoint tags leave the plans little to give up (the recompute of a layer in
     # the backward is the peak): half the plain step is below them. The figure the error
-    # names, written back, holds, the loss graph and the checkpointed regions counted.
+    # names, written back, holds, the loss graph and the checkpointed regions counted. It is
+    # no more than plain compile's measured peak with the margin every named figure carries.
     err, _ = _first_error(_llama_checkpointed, int(0.5 * _plain_peak(_llama_checkpointed)))
-    assert err.smallest_bytes <= _plain_peak(_llama_checkpointed) + SLACK
+    assert err.smallest_bytes <= sb.named_budget(_plain_peak(_llama_checkpointed))
     torch._dynamo.reset()
     model, inputs = _llama_checkpointed()
     backend = fxckpt.backend(compiler="eager", memory_budget=err.smallest_bytes)

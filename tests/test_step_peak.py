@@ -206,7 +206,8 @@ def test_a_byte_budget_below_the_graphs_floor_names_the_smallest_budget() -> Non
     trained = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="cannot meet memory_budget"):
         measured = measure_absolute_step(torch.compile(trained, backend=backend), trained, inputs)
-    assert measured.absolute_peak_bytes == pytest.approx(err.smallest_bytes, abs=4096)
-    assert measured.absolute_peak_bytes <= err.smallest_bytes + 4096
+    # The figure named is the lowest plans' predicted peak, plus the headroom and 3 %.
+    assert err.smallest_bytes / 1.03 - 2 * 4096 <= measured.absolute_peak_bytes
+    assert measured.absolute_peak_bytes <= err.smallest_bytes
     # The verdict waits for what eager code holds to be measured: the third step, usually.
     assert raised_at is not None and raised_at <= 3

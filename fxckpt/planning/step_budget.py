@@ -401,10 +401,9 @@ def keeping_share(ticket: Ticket | None, name: str) -> Iterator[None]:
         yield
 
 
-# What a named budget adds to the step's predicted peak at its lowest plans: besides the
-# headroom every target keeps, 1 %: what eager code holds is measured on one step of other
-# plans, and under Inductor the plans' own figures move by about that much with the plan.
-NAMED_MARGIN = 0.01
+# A named budget adds 3 % to the headroom and the lowest plans' predicted peak: what eager code
+# holds is measured on other plans (1.4 % apart under HF's checkpointing), Inductor's ~1 %.
+NAMED_MARGIN = 0.03
 
 
 def named_budget(peak: int) -> int:
