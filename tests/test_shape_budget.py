@@ -204,6 +204,12 @@ def test_every_fraction_over_a_marked_range_has_a_plan() -> None:
 
 @pytest.mark.slow
 @pytest.mark.inductor
+@pytest.mark.xfail(
+    raises=Exception, strict=True,
+    reason="Inductor's schedule reads the lowest plans at 64 tokens 307-314 KB under dynamic "
+    "shapes (liveness 187 KB, measured ~201 KB), so 256 KiB raises BudgetError; "
+    "docs/limitations.md, Dynamic shapes",
+)
 def test_the_guard_replans_under_inductor() -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=1, d=16)

@@ -27,14 +27,29 @@ _PLANNING_AT: contextvars.ContextVar[Mapping[sympy.Symbol, int] | None] = contex
 )
 
 
+_RANGED: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "fxckpt_ranged", default=None
+)
+
+
 @contextlib.contextmanager
-def planning_at(values: Mapping[sympy.Symbol, int]) -> Iterator[None]:
-    """Within the block, :func:`concrete` reads each symbol in ``values`` as that value."""
+def planning_at(values: Mapping[sympy.Symbol, int],
+                ranged: frozenset[str] | None = None) -> Iterator[None]:
+    """Within the block, :func:`concrete` reads each symbol in ``values`` as that value, and
+    :func:`is_ranged` is true of the symbols named in ``ranged`` only (``None``: of all)."""
     token = _PLANNING_AT.set(dict(values) if values else None)
+    ranged_token = _RANGED.set(ranged)
     try:
         yield
     finally:
+        _RANGED.reset(ranged_token)
         _PLANNING_AT.reset(token)
+
+
+def is_ranged(symbol: sympy.Symbol) -> bool:
+    """Whether a bound on ``symbol``'s range fixes the plan (see :func:`planning_at`)."""
+    ranged = _RANGED.get()
+    return ranged is None or str(symbol) in ranged
 
 
 def planning_values() -> Mapping[sympy.Symbol, int]:

@@ -76,11 +76,13 @@ from fxckpt.passes.schedule import pin_positions, placements
 from fxckpt.passes.segment import segment_of, tag_segments
 from fxckpt.passes.shape_budget import (
     check_attempt,
+    ranged_symbols,
     sizes_note,
     upper_bounds_to_plan_for,
 )
 from fxckpt.passes.step_target import budget_stage, fraction_stage, report, search_blocks
 from fxckpt.passes.weights import place_weights, tag_streamed
+from fxckpt.planning import step_budget
 from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.plan import Plan, plan_payload
 from fxckpt.planning.plan_round import (
@@ -122,7 +124,11 @@ def partition(
     ``inductor``: Inductor compiles the result (see :func:`insert_note`). ``measured``:
     figures measured at run time that replace the cost model's (a re-plan, ``fxckpt.adapt``).
     """
-    bounds = upper_bounds_to_plan_for(joint, options)
+    # A re-plan for the step plans at the ranges its graph's first plan saw: a range dynamo
+    # narrowed since (a guard Inductor added, say) is not one the user fixed.
+    ticket = step_budget.current()
+    ranged = ranged_symbols(joint) if ticket is None else ticket.ranged(ranged_symbols(joint))
+    bounds = upper_bounds_to_plan_for(joint, options, ranged)
     if bounds:
         log.info("fxckpt: planning for the longest lengths: %s", sorted(map(str, bounds.items())))
 
@@ -132,7 +138,7 @@ def partition(
                       lowered=lowered)  # fmt: skip
         return run(ctx, graph_name, STAGES)
 
-    with lazy_graph_modules(), gc_frozen(), planning_at(bounds):
+    with lazy_graph_modules(), gc_frozen(), planning_at(bounds, ranged):
         # Bytes are a bound: a plan over it is planned again. A fraction is a point between the
         # graph's own lowest and plain plans: the plan made for it stands.
         bound = options.memory_budget is not None and not isinstance(options.memory_budget, float)

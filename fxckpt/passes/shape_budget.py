@@ -50,6 +50,7 @@ from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.sizes import (
     concrete,
     describe,
+    is_ranged,
     planning_values,
     size_symbols,
 )
@@ -74,8 +75,18 @@ def _byte_budget(options: Options) -> bool:
     return isinstance(budget, int) or budget == "auto"
 
 
-def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options) -> dict[sympy.Symbol, int]:
-    """The size symbols a budget is planned at, with the bound each is planned at."""
+def ranged_symbols(joint: fx.GraphModule) -> frozenset[str]:
+    """The names of the joint graph's size symbols whose range has an end now."""
+    env, symbols = size_symbols(_placeholder_vals(joint))
+    if env is None:
+        return frozenset()
+    return frozenset(str(s) for s in symbols if symbol_upper_bound(env, s) is not None)
+
+
+def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options,
+                             ranged: frozenset[str] | None = None) -> dict[sympy.Symbol, int]:
+    """The size symbols a budget is planned at, with the bound each is planned at; of the
+    symbols named in ``ranged`` only, where given."""
     if options.memory_budget is None:
         return {}
     env, symbols = size_symbols(_placeholder_vals(joint))
@@ -85,7 +96,7 @@ def upper_bounds_to_plan_for(joint: fx.GraphModule, options: Options) -> dict[sy
     out = {}
     for s in symbols:
         upper = symbol_upper_bound(env, s)
-        if upper is not None and upper > int(hints.get(s, upper)):
+        if upper is not None and upper > int(hints.get(s, upper)) and (ranged is None or str(s) in ranged):
             out[s] = upper
     return out
 
@@ -238,7 +249,8 @@ def check_budget(
             # Known true for every size; or not testable; or not true at the planning sizes
             # themselves (a plan over its budget, already reported): no guard.
             continue
-        fixed = {s: u for s in expr.free_symbols if (u := symbol_upper_bound(env, s)) is not None}
+        fixed = {s: u for s in expr.free_symbols
+                 if is_ranged(s) and (u := symbol_upper_bound(env, s)) is not None}
         if not fixed:
             out.guards.append(cond)
             continue

@@ -89,7 +89,8 @@ class EagerBytes:
     """What eager code between a step's graphs holds at the step's peak (an embedding or a
     loss dynamo left out of every graph, a key/value cache): in no graph's plan, so measured.
 
-    Once, the first step in which nothing compiles is measured whole by ``meter`` (a factory
+    The first step in which nothing compiles (and, after the plans change, the first after
+    that: :meth:`again`) is measured whole by ``meter`` (a factory
     of :class:`fxckpt.meter.Meter`, made for this: another meter the user starts takes
     precedence, and this one measures a later step); its peak over what the graphs' plans
     predict for the step is :attr:`bytes`, which the start level counts from then on. The
@@ -108,6 +109,12 @@ class EagerBytes:
     @property
     def measuring(self) -> bool:
         return self._running is not None
+
+    def again(self) -> None:
+        """The plans changed: measure a later step too (under Inductor what a graph holds moves
+        with its plan, by more than its schedule's figure says). The larger figure counts."""
+        if self.meter is not None and self._running is None:
+            self.done = False
 
     def measure(self, device: torch.device) -> None:
         """A step starts: measure it, unless one was measured already."""
@@ -141,7 +148,7 @@ class EagerBytes:
         if unseen > _NOISE:
             log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
                      "count (eager code between graphs); counted from now on", unseen)
-            self.bytes = unseen
+            self.bytes = max(self.bytes, unseen)
 
 
 # Less than this over the plans' figure is the allocator's noise, not eager code's tensors.

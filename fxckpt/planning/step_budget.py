@@ -29,9 +29,11 @@ is composed from every graph's figures, and where it is over the budget (the opt
 appeared after the first ``optimizer.step()``, a graph runs several times, Inductor's own
 schedule holds more than the plan's liveness) the graphs whose runs hold more than their
 target are compiled again for it, before the step's first graph runs, at most
-:data:`MAX_REPLANS` compiles per step and :data:`MAX_STEP_REPLANS` steps that re-plan. Once,
-the first step in which nothing compiles is measured whole, and what eager code between the
-graphs holds counts from then on (:class:`~fxckpt.planning.start_level.EagerBytes`). A step
+:data:`MAX_REPLANS` compiles per step and :data:`MAX_STEP_REPLANS` steps that re-plan. The
+first step in which nothing compiles, and the first after each re-plan, is measured whole:
+what it held beyond the plans' figures (eager code between the graphs; under Inductor, what
+a plan holds beyond its schedule's figure) counts from then on
+(:class:`~fxckpt.planning.start_level.EagerBytes`). A step
 that still cannot fit once that is known (the third, usually) raises
 :class:`~fxckpt.errors.BudgetError` (``on_infeasible="warn"``: warns) naming the smallest
 budget the step reaches, with its parts; the steps before it run the lowest plans.
@@ -100,13 +102,11 @@ class StepBudget:
                  held: Callable[[Any, torch.device], int] | None = None,
                  meter: Callable[[torch.device], Any] | None = None) -> None:
         self.options = options
-        self.eager = EagerBytes(meter)  # what eager code between graphs holds, measured once
+        self.eager = EagerBytes(meter)  # what the step holds beyond the plans, measured
         self.compiles = 0  # compiles of this step's graphs so far (a measured step has none)
         self.compiling: object | None = None  # the graph whose first compile runs now
         self.compiles_at_start = 0
-        # A plan's forward and backward peaks in the compiler's own schedule, once known
-        # (Inductor's: fxckpt.passes.inductor_peak.step_peak_parts), else None.
-        self.scheduled = scheduled
+        self.scheduled = scheduled  # a plan's peaks in its compiler's schedule (inductor_peak)
         self.graphs: dict[object, Graph] = {}
         self.start = StartLevel(held)
         self.start_bytes = 0  # the start level the plans were made for
@@ -298,8 +298,9 @@ class StepBudget:
             return
         self.replanning_steps += 1
         self._rebalance()
-        # The verdict names the smallest budget: it waits for what eager code holds to be
-        # measured (the step after the graphs compiled), else it would name too little.
+        if self.replans:
+            self.eager.again()  # new plans: what the step holds beside them is measured again
+        # The verdict waits for what eager code holds to be measured, else it names too little.
         if not self.fits() and not self.verdict_given and (self.eager.known or self.steps > 3):
             self.verdict(None)
 
@@ -330,11 +331,9 @@ class StepBudget:
             g.recompile(want.lowered(margin))
 
     def _settle(self, key: object) -> None:
-        """Graph ``key`` missed its target at its lowest plan: the graphs before it in this
-        step plan again for what the step now leaves them (:meth:`_rebalance`). The verdict
-        waits for the step's end: only then are its graphs, its runs and what eager code
-        holds known, and the figure it names one that runs. (A fraction is each graph's own:
-        nothing to settle.)"""
+        """Graph ``key`` missed its target at its lowest plan: the graphs before it plan again
+        (:meth:`_rebalance`). The verdict waits for the step's graphs, runs and eager code to
+        be known. (A fraction is each graph's own: nothing to settle.)"""
         if self.budget is not None:
             self._rebalance()
 

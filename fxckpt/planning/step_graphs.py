@@ -44,6 +44,7 @@ class Graph:
     payload: str = ""  # its plan, for Inductor's own figures
     fraction: tuple[int, int] | None = None  # a fraction's (plain, floor), the own figures
     recompile: Callable[[PeakTarget], None] | None = None
+    ranged: frozenset[str] = frozenset()  # size symbols with a range's end at its first plan
 
     @property
     def label(self) -> str:
@@ -118,6 +119,13 @@ class Ticket:
         if budget is None and self.entry.fraction is not None and self.entry.target is not None:
             return self.step.start_bytes + self.entry.target.largest
         return budget
+
+    def ranged(self, now: frozenset[str]) -> frozenset[str]:
+        """The size symbols whose range's end the plan is made for: those of the graph's first
+        plan (``now`` at a first compile; a re-plan keeps them)."""
+        if self.fixed is None:
+            self.entry.ranged = now
+        return now & self.entry.ranged
 
     @property
     def saved_inputs(self) -> int:
@@ -199,7 +207,8 @@ class Ticket:
             return [f"step budget: planned again for the step: forward within "
                     f"{format_bytes(e.target.forward)}, backward within "
                     f"{format_bytes(e.target.backward)}"]
-        keys, figures = step.sequence()
+        keys, figures = step.sequence()  # the runs of other graphs (a recompile replaces its own)
+        figures = [f for k, f in zip(keys, figures, strict=True) if k != self.key]
         before = sum(f.held + f.saved_inputs for f in figures)
         return [f"step budget: {format_bytes(step.budget or 0)} for the step; it starts at "
                 f"{format_bytes(step.start_bytes)}, the {len(figures)} run(s) before this graph "
