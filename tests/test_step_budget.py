@@ -413,6 +413,26 @@ def test_a_graph_that_runs_n_times_gets_a_target_all_its_runs_fit() -> None:
     assert PeakTarget(10, 20, 5).over_by(12, 19, 7) == 2
 
 
+def test_a_graph_keeps_room_for_the_runs_of_later_graphs() -> None:
+    # A layer graph that runs 4 times, then a loss graph whose own peak is large: what the
+    # layers keep is still held while the loss runs, so the layers' target bounds what they
+    # keep by that (a Llama with a break in each layer raised BudgetError at 0.7 of plain
+    # when only the layers' own runs set their target, though 0.5 was reachable).
+    layer = GraphFigures(forward_peak=300, backward_peak=340, held=200, gradients=16)
+    loss = GraphFigures(forward_peak=5_000, backward_peak=5_000, held=100)
+    budget, start = 12_000, 2_000
+    keys, runs = ["layer"] * 4 + ["loss"], [layer] * 4 + [loss]
+    for n in (1, 4):  # one run, or four
+        target = targets(budget, start, runs[4 - n:], keys[4 - n:], "layer")
+        assert target.held is not None
+        at = GraphFigures(target.held + 100, target.held + 140, target.held, 16)
+        assert compose(start, [at] * n + [loss]).peak <= budget - HEADROOM
+        over = GraphFigures(target.held + 101, target.held + 141, target.held + 1, 16)
+        assert compose(start, [over] * n + [loss]).peak > budget - HEADROOM
+    # With nothing after it, one run's target bounds its phases only.
+    assert targets(budget, start, [layer], ["layer"], "layer").held is None
+
+
 # -- Inductor ----------------------------------------------------------------------------
 
 

@@ -144,8 +144,9 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
     target comes from the bytes its forward keeps, ``h``: a plan of the graph holds about ``h``
     plus a working set beside it (``own``'s, else its figures in ``runs``: what its peaks hold
     over what it keeps; 0 when unknown), and ``h`` is the largest for which every run fits:
-    ``(k - 1) * h + h + working set <= what the rest of the step leaves``. Every target
-    keeps :data:`HEADROOM` free."""
+    ``(k - 1) * h + h + working set <= what the rest of the step leaves``. A later run of
+    another graph, after ``m`` of its runs, bounds ``h`` too (``m * h`` beside that run's own
+    peak), whatever the number of its runs. Every target keeps :data:`HEADROOM` free."""
     budget -= HEADROOM
     runs = list(runs)
     keys = list(keys)
@@ -177,8 +178,21 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
         here = min(fw_room, bw_room) // n
         held = here if held is None else min(held, here)
     assert held is not None
+    # The other graphs' runs after its first run find what its runs keep still held: at the
+    # m-th of its runs before them, m * (h + the inputs it saved) beside their own peaks.
+    later = None
+    for j, (r, k) in enumerate(zip(runs, keys, strict=True)):
+        m = sum(1 for i in mine if i < j)
+        if k == key or m == 0:
+            continue
+        fw_room = budget - start - before[j] - r.inputs - r.forward_peak
+        bw_room = budget - start - before[j] - r.saved_inputs - after_grads[j] - r.backward_peak
+        here = min(fw_room, bw_room) // m - own.saved_inputs
+        later = here if later is None else min(later, here)
     if len(mine) == 1:  # one run: the two phases need not share a figure for what it keeps
         j = mine[0]
         return PeakTarget(max(1, budget - start - before[j] - own.inputs),
-                          max(1, budget - start - before[j] - own.saved_inputs - after_grads[j]))
+                          max(1, budget - start - before[j] - own.saved_inputs - after_grads[j]),
+                          None if later is None else max(0, later))
+    held = held if later is None else min(held, later)
     return PeakTarget(max(1, held + fw_set), max(1, held + bw_set), max(0, held))

@@ -294,14 +294,15 @@ class StepBudget:
         self.start_bytes = max(level, self.start_bytes) if not grew else level
         if self.fits():
             return
-        if self.replanning_steps >= MAX_STEP_REPLANS:
-            return
-        self.replanning_steps += 1
-        self._rebalance()
-        if self.replans:
-            self.eager.again()  # new plans: what the step holds beside them is measured again
-        # The verdict waits for what eager code holds to be measured, else it names too little.
-        if not self.fits() and not self.verdict_given and (self.eager.known or self.steps > 3):
+        if self.replanning_steps < MAX_STEP_REPLANS:
+            self.replanning_steps += 1
+            self._rebalance()
+            if self.replans:
+                self.eager.again()  # new plans: what the step holds beside them is measured again
+        # The verdict waits for what eager code holds to be measured, and for the re-plans to
+        # end: else the figure it names is too small, or not the lowest plans'.
+        settled = not self.replans or self.replanning_steps >= MAX_STEP_REPLANS
+        if not self.fits() and not self.verdict_given and settled and (self.eager.known or self.steps > 3):
             self.verdict(None)
 
     def _rebalance(self) -> None:
