@@ -9,7 +9,8 @@ For each model of :mod:`benchmarks.step_models` and each compiler (``eager``, ``
 plain ``torch.compile`` (fxckpt without a budget, which plans nothing) is measured first: the
 absolute peak of a warm training step, ``P0``. Then fxckpt runs at ``memory_budget = N`` for
 N = 0.7, 0.5 and 0.35 of ``P0``. Each figure is the meter's, never a plan's: a warm step (the
-third; gradients set to None before it) under :func:`fxckpt.measure`, whose peak is the CPU
+fifth: the steps before it may re-plan, and a step whose graphs cannot fit raises by then;
+gradients set to None before it) under :func:`fxckpt.measure`, whose peak is the CPU
 allocator's own events and whose start level is the storages of everything the step is given
 (parameters, buffers, gradients, optimizer state, inputs). A budget no plan meets raises
 ``BudgetError``; the figure it names is written back and measured too. The loss and every
@@ -68,7 +69,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_case(name: str, compiler: str, options: dict[str, Any] | None, *, steps: int = 3,
+def run_case(name: str, compiler: str, options: dict[str, Any] | None, *, steps: int = 5,
              adamw: bool = False, reference: bool = False) -> dict[str, Any]:
     """One model under one backend: the meter's figures of the last of ``steps`` steps, and
     (``reference``) whether the first step's loss and gradients equal eager's."""
@@ -186,7 +187,7 @@ def adamw(compiler: str = "eager", fractions: Sequence[float] = FRACTIONS) -> li
     for f in fractions:
         budget = int(f * plain["absolute_peak_bytes"])
         row = run_case("decoder", compiler, {"memory_budget": budget, "on_infeasible": "warn"},
-                       adamw=True)
+                       adamw=True, steps=3)
         row.update(fraction=f, budget_bytes=budget, plain_bytes=plain["absolute_peak_bytes"],
                    holds=row.get("absolute_peak_bytes", 0) <= budget)
         rows.append(row)

@@ -75,6 +75,8 @@ from fxckpt.planning.start_level import (
 from fxckpt.planning.step_graphs import (
     Graph,
     Ticket,
+    fake_inputs,
+    named_budget,
     no_tighter,
     scheduled_figures,
     scheduled_margin,
@@ -188,7 +190,7 @@ class StepBudget:
         entry.gradients = new_gradients(alive(entry.params))
         entry.inputs = sum(storage_bytes(t) for t in example_inputs
                            if isinstance(t, torch.Tensor) and t.grad_fn is not None)
-        fakes = _fakes(example_inputs)
+        fakes = fake_inputs(example_inputs)
         # Inputs an earlier graph computed (they carry autograd history): what this graph
         # saves of them is held for its backward only because it saves them.
         produced = [(i, tuple(t.shape)) for i, t in enumerate(example_inputs)
@@ -301,7 +303,7 @@ class StepBudget:
                 self.eager.again()  # new plans: what the step holds beside them is measured again
         # The verdict waits for what eager code holds to be measured, and for the re-plans to
         # end: else the figure it names is too small, or not the lowest plans'.
-        settled = not self.replans or self.replanning_steps >= MAX_STEP_REPLANS
+        settled = self._settled() or self.replanning_steps >= MAX_STEP_REPLANS
         if not self.fits() and not self.verdict_given and settled and (self.eager.known or self.steps > 3):
             self.verdict(None)
 
@@ -317,19 +319,31 @@ class StepBudget:
             if self.fits() or self.replans >= MAX_REPLANS:
                 return
             g = self.graphs[k]
-            if g.recompile is None or not g.known:
+            if (want := self._lower(k)) is None or g.recompile is None:
                 continue
-            want = self.target(k)
             margin = scheduled_margin(g, self.scheduled)
-            if want.met_by(g.forward_peak, g.backward_peak, g.held):
-                continue
-            if g.lowest and g.target is not None and no_tighter(want, g.target):
-                continue  # at its floor for a target as tight already
             self.replans += 1
             log.info("fxckpt[%s] runs %d time(s) a step and holds more than the budget leaves "
                      "it; planning it again (forward within %s, backward within %s)", g.label,
                      counts[k], format_bytes(want.forward), format_bytes(want.backward))
             g.recompile(want.lowered(margin))
+
+    def _lower(self, k: object) -> PeakTarget | None:
+        """The target graph ``k`` would plan again for; None where it meets its own, or is at
+        its floor for one as tight already, or cannot plan again."""
+        g = self.graphs[k]
+        if g.recompile is None or not g.known:
+            return None
+        want = self.target(k)
+        if want.met_by(g.forward_peak, g.backward_peak, g.held):
+            return None
+        return None if g.lowest and g.target is not None and no_tighter(want, g.target) else want
+
+    def _settled(self) -> bool:
+        """Whether no graph of the step would plan again: none has a lower plan, and none
+        re-planned waits for its first run to report its plan."""
+        graphs = {k: self.graphs[k] for k in self.sequence()[0] if k in self.graphs}
+        return all((g.known or g.target is None) and self._lower(k) is None for k, g in graphs.items())
 
     def _settle(self, key: object) -> None:
         """Graph ``key`` missed its target at its lowest plan: the graphs before it plan again
@@ -399,25 +413,6 @@ def keeping_share(ticket: Ticket | None, name: str) -> Iterator[None]:
     again.produced = ticket.produced
     with _active(again):
         yield
-
-
-# A named budget adds 3 % to the headroom and the lowest plans' predicted peak: what eager code
-# holds is measured on other plans (1.4 % apart under HF's checkpointing), Inductor's ~1 %.
-NAMED_MARGIN = 0.03
-
-
-def named_budget(peak: int) -> int:
-    """The budget a :class:`BudgetError` names for a step whose lowest plans peak at ``peak``."""
-    return int((peak + HEADROOM) * (1 + NAMED_MARGIN)) + 1
-
-
-def _fakes(example_inputs: Sequence[Any]) -> list[Any] | None:
-    """Fake copies of a graph's inputs, for re-planning it later without holding real tensors;
-    ``None`` where no fake mode traced it (then the graph is not re-planned)."""
-    mode = compat.detect_fake_mode(example_inputs)
-    if mode is None:
-        return None if any(isinstance(t, torch.Tensor) for t in example_inputs) else list(example_inputs)
-    return [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 
 _steps: weakref.WeakKeyDictionary[Any, StepBudget] = weakref.WeakKeyDictionary()
