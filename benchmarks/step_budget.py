@@ -95,7 +95,7 @@ def run_case(name: str, compiler: str, options: dict[str, Any] | None, *, steps:
             loss = case.step(compiled)
             loss.backward()
             if k == 0 and eager is not None:
-                equal = _equal(case, eager, model, loss)
+                equal = _equal(case, eager, model, loss, compiler)
             if opt is not None:
                 opt.step()
         model.zero_grad(set_to_none=True)
@@ -119,10 +119,12 @@ def run_case(name: str, compiler: str, options: dict[str, Any] | None, *, steps:
 
 
 def _equal(case: Case, eager: torch.nn.Module, compiled_model: torch.nn.Module,
-           loss: torch.Tensor) -> bool:
-    """The compiled step's loss and gradients against eager's (``aot_eager``'s under dropout)."""
+           loss: torch.Tensor, compiler: str = "eager") -> bool:
+    """The compiled step's loss and gradients against eager's; under dropout, against plain
+    ``aot_eager``'s, or plain Inductor's under Inductor (whose RNG draws other masks)."""
     torch.manual_seed(0)
-    ref = torch.compile(eager, backend="aot_eager") if _has_dropout(eager) else eager
+    backend = "inductor" if compiler == "inductor" else "aot_eager"
+    ref = torch.compile(eager, backend=backend) if _has_dropout(eager) else eager
     want = case.step(ref)
     want.backward()
     try:
