@@ -102,7 +102,10 @@ def test_a_budget_is_met_by_each_graph_on_its_own() -> None:
     # The step's account still counts what the first graph holds for its backward while the
     # second runs: the fraction leaves the second graph's target alone, not its step peak.
     assert first.held_bytes > 0 and second.step is not None and first.step is not None
-    assert second.step["activations_bytes"] >= first.held_bytes + second.backward_peak_bytes
+    # (Where it peaks differs by torch: on 2.13 at the second graph's backward; on 2.15, where
+    # the second graph's parameter gradients are counted, at the first's.)
+    step = second.step
+    assert step["total_bytes"] >= step["start_bytes"] + first.held_bytes + second.backward_peak_bytes
     assert second.step["total_bytes"] > first.step["total_bytes"]
     s = fxckpt.stats()
     assert s["offloaded_bytes"] == s["prefetched_bytes"] > 0
