@@ -444,3 +444,85 @@ def test_inductor_holds_a_byte_budget_across_a_break() -> None:
     backend = fxckpt.backend(memory_budget=budget, cost_model="unit")
     compiled = assert_step_matches(model, inputs, backend, steps=3, **TOL)
     assert measure_absolute_step(compiled, model, inputs, warm=1).absolute_peak_bytes <= budget
+
+
+class _ScratchInBackward(torch.autograd.Function):
+    """Eager code whose backward allocates a scratch tensor: in no graph's plan."""
+
+    scratch_numel = 256 * 1024  # 1 MiB of float32
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(_ScratchInBackward.scratch_numel)
+        return grad * scratch[0]
+
+
+class _EagerBetween(nn.Module):
+    """Two compiled graphs with eager code between them, whose backward runs after the
+    second graph's backward (the first backward hook the step sees)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_eager_scratch(self.a(x))).square().mean()
+
+
+@torch._dynamo.disable
+def _eager_scratch(h: torch.Tensor) -> torch.Tensor:
+    return _ScratchInBackward.apply(h)
+
+
+def _train(compiled: Any, model: nn.Module, x: torch.Tensor, steps: int,
+           after_backward: Any = None) -> None:
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        compiled(x).backward()
+        if after_backward is not None:
+            after_backward()
+
+
+def test_the_measured_step_ends_where_its_whole_backward_ends() -> None:
+    # The step's peak is the scratch the eager region's backward allocates, after the backward
+    # hook the step account first sees (the second graph's). The measured step must run to the
+    # backward's end (compat.at_backward_end), not stop at that hook: measured there, the
+    # scratch is missed, and a budget it cannot meet runs over it.
+    torch.manual_seed(0)
+    model, x = _EagerBetween(), torch.randn(64, 32, requires_grad=True)
+    scratch = _ScratchInBackward.scratch_numel * 4
+    budget = measure_absolute_step(torch.compile(model, backend="aot_eager"), model, (x,)).start_bytes
+    budget += scratch * 9 // 10  # the scratch alone does not fit above the start level
+    torch._dynamo.reset()
+    backend = fxckpt.backend(compiler="eager", memory_budget=budget, min_offload_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+    with pytest.raises(BudgetError) as raised:
+        _train(compiled, model, x, 6)
+    named = raised.value.smallest_bytes
+    assert named > budget + scratch // 10, (named, budget)
+    torch._dynamo.reset()
+    backend = fxckpt.backend(compiler="eager", memory_budget=named, min_offload_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+    assert measure_absolute_step(compiled, model, (x,), warm=4).absolute_peak_bytes <= named
+
+
+def test_what_runs_after_the_backward_is_not_the_steps() -> None:
+    # After each backward the training loop allocates a temporary four times the budget,
+    # and frees it before the next forward (an optimizer's scratch, a logging copy). The step
+    # ends where its backward does: the measured step leaves it out, and a budget the step
+    # meets raises nothing and plans nothing again.
+    torch.manual_seed(0)
+    model, x = _EagerBetween(), torch.randn(64, 32, requires_grad=True)
+    plain = measure_absolute_step(torch.compile(model, backend="aot_eager"), model, (x,))
+    torch._dynamo.reset()
+    budget = plain.absolute_peak_bytes * 5 // 4
+    backend = fxckpt.backend(compiler="eager", memory_budget=budget, min_offload_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+    _train(compiled, model, x, 6, after_backward=lambda: torch.ones(budget).sum())
+    plans = fxckpt.last_plans()
+    assert len(plans) == 2 and all(p.recomputed_bytes + p.offloaded_bytes == 0 for p in plans)
+    assert measure_absolute_step(compiled, model, (x,)).absolute_peak_bytes <= budget
