@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
 BUDGETS = ("0.8 of plain", 0.3)
 TOL = {"atol": 1e-5, "rtol": 1e-4}
-BANDWIDTH = "16GB/s"  # about what this machine's memcpy measures
 
 
 class Denoise(nn.Module):
@@ -117,9 +116,7 @@ def test_conv_model_meets_the_budget_under_inductor(kind: str, spec: Any) -> Non
     budget = int(0.8 * plain_peak) if isinstance(spec, str) else spec
     base, inputs = MODELS[kind]()
     model = copy.deepcopy(base)
-    # The link's figure pinned: measured, it moves the plan with the machine's load (on a
-    # loaded machine one plan offloaded all the forward held, and nothing was left to meter).
-    compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=budget, bandwidth=BANDWIDTH))
+    compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=budget))
     got = step(model, inputs, compiled)
     torch.testing.assert_close(got[0], want[0], **TOL)
     assert got[1].keys() == want[1].keys() and got[1]
@@ -146,6 +143,6 @@ def test_conv_model_meets_the_budget_under_inductor(kind: str, spec: Any) -> Non
             assert budget < plain_peak * 1.05, (budget, plain_peak)
             torch._dynamo.reset()
             model = copy.deepcopy(base)
-            compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=budget, bandwidth=BANDWIDTH))
+            compiled = torch.compile(model, backend=fxckpt.backend(memory_budget=budget))
             peak = measure_absolute_step(compiled, model, inputs, warm=3).absolute_peak_bytes
         assert peak <= budget, (peak, budget, plain_peak)

@@ -148,8 +148,8 @@ def test_bucket_ops_run_in_the_code(bucketed: Compiled) -> None:
 @pytest.mark.xfail(strict=False, reason=(
     "since an offloaded view goes through one clone under Inductor (passes.offload._one_buffer), "
     "one join of this plan runs one kernel after its planned place (seen at 2026-12-02: "
-    "offload_done(embedding), plan after kernel 13, code after 14); the plan's bandwidth is "
-    "measured, so whether it shows depends on the machine. Open: pin the clone with its offload"))
+    "offload_done(embedding), plan after kernel 13, code after 14); whether it shows depends on "
+    "the plan. Open: pin the clone with its offload"))
 def test_bucket_ops_run_where_the_plan_put_them(bucketed: Compiled) -> None:
     assert _misplaced(bucketed.forward) + _misplaced(bucketed.backward) == []
 
