@@ -111,10 +111,11 @@ class EagerBytes:
         return self._running is not None
 
     def again(self) -> None:
-        """The plans changed: measure a later step too (under Inductor what a graph holds moves
-        with its plan, by more than its schedule's figure says). The larger figure counts."""
+        """The plans changed: measure a later step too, and count its figure instead (under
+        Inductor what the step holds beyond its plans moves with the plans, either way: a
+        lower plan's figure need not be the higher one's)."""
         if self.meter is not None and self._running is None:
-            self.done = False
+            self.done = self.known = False
 
     def measure(self, device: torch.device) -> None:
         """A step starts: measure it, unless one was measured already."""
@@ -148,7 +149,7 @@ class EagerBytes:
         if unseen > _NOISE:
             log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
                      "count (eager code between graphs); counted from now on", unseen)
-            self.bytes = max(self.bytes, unseen)
+        self.bytes = unseen if unseen > _NOISE else 0
 
 
 # Less than this over the plans' figure is the allocator's noise, not eager code's tensors.

@@ -256,6 +256,9 @@ class StepBudget:
             self.runs, self.current = self.current, []
             self.steps += 1
             self.replans = 0
+            # Inductor's figures first: what the measured step held beyond the plans is counted
+            # over them (counted over the liveness figures, it would count their gap twice).
+            scheduled_figures(self.graphs.values(), self.scheduled)
             if self.eager.measuring:
                 self.eager.measured(self.account(start=0).peak)
             self._step_starts()
@@ -280,15 +283,14 @@ class StepBudget:
         self.eager.step_ended(quiet=self.compiles == self.compiles_at_start)
 
     def _step_starts(self) -> None:
-        """Between two steps: measure the start level, take in Inductor's figures, and plan
-        again the graphs whose runs hold more than the budget leaves them."""
+        """Between two steps: measure the start level, and plan again the graphs whose runs
+        hold more than the budget leaves them."""
         budget = self.budget
         if budget is None:
             return
         level = self.start.measure()
         for g in self.graphs.values():  # a gradient kept from the last step is in the level now
             g.gradients = new_gradients(alive(g.params))
-        scheduled_figures(self.graphs.values(), self.scheduled)
         grew = level > self.start_bytes + max(4096, int(budget * START_SLACK))
         if grew:
             log.info("fxckpt: the step starts at %s, %s more than its plans assumed; planning "
@@ -301,10 +303,12 @@ class StepBudget:
             self._rebalance()
             if self.replans:
                 self.eager.again()  # new plans: what the step holds beside them is measured again
-        # The verdict waits for what eager code holds to be measured, and for the re-plans to
-        # end: else the figure it names is too small, or not the lowest plans'.
+        # The verdict waits for the re-plans to end, and for what the step holds beside the
+        # plans that run now to be measured (a re-plan compiles in one step, the next is
+        # measured): else the figure it names is not the lowest plans', or too small.
         settled = self._settled() or self.replanning_steps >= MAX_STEP_REPLANS
-        if not self.fits() and not self.verdict_given and settled and (self.eager.known or self.steps > 3):
+        measured = self.eager.known or self.steps > 3 + 2 * self.replanning_steps
+        if not self.fits() and not self.verdict_given and settled and measured:
             self.verdict(None)
 
     def _rebalance(self) -> None:
