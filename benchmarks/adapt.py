@@ -126,7 +126,7 @@ def step(row: Row, idx: torch.Tensor, tgt: torch.Tensor, memory: bool) -> None:
     })
 
 
-def _link(cfg: DecoderConfig, batch: int, seq: int, target: str, link: float | None
+def emulated_link(cfg: DecoderConfig, batch: int, seq: int, target: str, link: float | None
           ) -> tuple[Any, dict[str, Any]]:
     """The emulated link, and how it was sized."""
     import fxckpt
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = machine_info(args.threads)
     print(f"{command}\n{facts['date']}, {facts['cpu']}, load {facts['loadavg_start'][0]:.2f}")
     cfg = MODEL
-    handle, link = _link(cfg, args.batch, args.seq, args.target, args.link)
+    handle, link = emulated_link(cfg, args.batch, args.seq, args.target, args.link)
     print("link:", link["sized"])
     torch.manual_seed(0)
     base = Decoder(cfg)

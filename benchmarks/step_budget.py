@@ -25,7 +25,8 @@ Also measured:
   as the budget falls;
 - ``choice``: a decoder with d=256, 8 blocks and 4x512 tokens, at N = per-block
   checkpointing's measured step peak: fxckpt's step time against ``offload="all"``, per-block
-  checkpointing and each ``segment_stride`` whose measured peak fits N, in one run;
+  checkpointing and each ``segment_stride`` whose measured peak fits N, in one run, under an
+  emulated host link sized to an H200 over PCIe Gen5 (``h200-pcie5``);
 - ``compile``: planning's share of the compile time on a 24-block decoder under a budget that
   binds (:func:`benchmarks.planner_scaling.compile_share`).
 """
@@ -209,7 +210,19 @@ def sweep(compiler: str = "eager") -> dict[str, Any]:
 
 def choice(steps: int = 5, batch: int = 4, seq: int = 512) -> dict[str, Any]:
     """At per-block checkpointing's measured step peak: fxckpt's step time against each method
-    that fits, all measured in this one process."""
+    that fits, all measured in this one process, under an emulated link at an H200's ratio."""
+    from benchmarks.adapt import emulated_link
+
+    # Copies at an H200's copy-to-compute ratio (the emulated link, sized to this machine's
+    # forward): a RAM memcpy would hide every copy offload makes.
+    handle, link = emulated_link(CHOICE, batch, seq, "h200-pcie5", None)
+    try:
+        return {**_choice(steps, batch, seq), "link": link}
+    finally:
+        handle.__exit__(None, None, None)
+
+
+def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
     from torch.utils.checkpoint import checkpoint
 
     import fxckpt
