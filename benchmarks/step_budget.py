@@ -317,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
     parser.add_argument("--docs", action="store_true", help="update docs/benchmarks.md's table")
     parser.add_argument("--smoke", action="store_true", help="one tiny case, to check the script")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help='comma-separated case names ("": none, the other parts only)')
     parser.add_argument("--compilers", default="eager,inductor")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
                         "adamw,sweep,choice,compile")  # fmt: skip
@@ -332,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["matrix"] = matrix(["decoder"], ["eager"], (0.5,))
     else:
         skip = set(filter(None, args.skip.split(",")))
-        doc["matrix"] = matrix(args.cases.split(","), args.compilers.split(","), FRACTIONS)
+        cases = [c for c in args.cases.split(",") if c]  # --cases "": no matrix
+        doc["matrix"] = matrix(cases, args.compilers.split(","), FRACTIONS)
         if "adamw" not in skip:
             doc["adamw"] = adamw()
             print("adamw:", [(r["fraction"], r.get("absolute_peak_bytes"), r["holds"]) for r in doc["adamw"]])
