@@ -145,11 +145,11 @@ class EagerBytes:
             self.done = False  # measure a later step
             return
         self.known = True
-        unseen = max(0, int(meter.result.peak_bytes) - predicted)
-        if unseen > _NOISE:
+        unseen = int(meter.result.peak_bytes) - predicted
+        self.bytes = unseen if unseen > _NOISE else 0
+        if self.bytes:
             log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
                      "count (eager code between graphs); counted from now on", unseen)
-        self.bytes = unseen if unseen > _NOISE else 0
 
 
 # Less than this over the plans' figure is the allocator's noise, not eager code's tensors.
