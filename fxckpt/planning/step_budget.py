@@ -258,7 +258,8 @@ class StepBudget:
             self.replans = 0
             # Inductor's figures first: what the measured step held beyond the plans is counted
             # over them (counted over the liveness figures, it would count their gap twice).
-            scheduled_figures(self.graphs.values(), self.scheduled)
+            if self.budget is not None:
+                scheduled_figures(self.graphs.values(), self.scheduled)
             if self.eager.measuring:
                 self.eager.measured(self.account(start=0).peak)
             self._step_starts()
