@@ -3,8 +3,8 @@
 A step's graphs are those of one ``torch.compile`` call: dynamo's graph breaks, a loss after a
 break, the regions of Hugging Face's gradient checkpointing, a layer graph that runs once per
 layer. The state lives with the call (keyed weakly by the compiler object dynamo holds for it,
-never per process), one entry per dynamo frame, so a recompile of a frame replaces its own
-entry and a second model (an EMA copy) has steps of its own.
+never per process), one entry per compile of a dynamo frame (the step counts those that
+ran), and a second model (an EMA copy) has steps of its own.
 
 **The account** (:mod:`fxckpt.planning.account`). The step's peak is what the device held when
 the step started (the *start level*), plus, at the worst moment, what the runs before it hold
@@ -444,7 +444,7 @@ def step_for(options: Options,
 
 
 def graph_key() -> object:
-    """Which graph of the step compiles now: dynamo's frame, so that a recompile of the frame
-    replaces its own entry."""
+    """Which graph of the step compiles now: a compile of a dynamo frame (they live side by side,
+    each with its guards: Hugging Face's layers compile once per layer index under a cache)."""
     compile_id = compat.current_compile_id()
-    return object() if compile_id is None else compile_id.frame_id
+    return object() if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
