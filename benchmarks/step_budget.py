@@ -26,7 +26,9 @@ Also measured:
 - ``choice``: a decoder with d=256, 8 blocks and 4x512 tokens, at N = per-block
   checkpointing's measured step peak: fxckpt's step time against ``offload="all"``, per-block
   checkpointing and each ``segment_stride`` whose measured peak fits N, in one run, under an
-  emulated host link sized to an H200 over PCIe Gen5 (``h200-pcie5``);
+  emulated host link sized to an H200 over PCIe Gen5 (``h200-pcie5``); every method is
+  compiled and measured first, then timed one step at a time in 9 rounds, the order rotated
+  each round, and each method's median step is compared;
 - ``compile``: planning's share of the compile time on a 24-block decoder under a budget that
   binds (:func:`benchmarks.planner_scaling.compile_share`).
 """
@@ -208,7 +210,7 @@ def sweep(compiler: str = "eager") -> dict[str, Any]:
             "monotone": all(b <= a for a, b in zip(peaks, peaks[1:], strict=False))}
 
 
-def choice(steps: int = 5, batch: int = 4, seq: int = 512) -> dict[str, Any]:
+def choice(steps: int = 9, batch: int = 4, seq: int = 512) -> dict[str, Any]:
     """At per-block checkpointing's measured step peak: fxckpt's step time against each method
     that fits, all measured in this one process, under an emulated link at an H200's ratio."""
     from benchmarks.adapt import emulated_link
@@ -223,6 +225,8 @@ def choice(steps: int = 5, batch: int = 4, seq: int = 512) -> dict[str, Any]:
 
 
 def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
+    """Each method warmed and measured, then timed one step at a time in ``steps`` rounds, the
+    order rotated each round, so that the machine's load falls on all of them alike."""
     from torch.utils.checkpoint import checkpoint
 
     import fxckpt
@@ -231,28 +235,30 @@ def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
     base = Decoder(CHOICE)
     idx, tgt = make_batch(CHOICE, batch, seq, "cpu")
 
-    def timed(model: torch.nn.Module, fn: Any) -> dict[str, Any]:
+    def step(model: torch.nn.Module, fn: Any) -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        fn(idx, tgt).backward()
+        return time.perf_counter() - start
+
+    def measured(model: torch.nn.Module, fn: Any) -> dict[str, Any]:
         for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            fn(idx, tgt).backward()
+            step(model, fn)
         model.zero_grad(set_to_none=True)
         gc.collect()
         m = fxckpt.measure(lambda: fn(idx, tgt).backward(), holding=(model, idx, tgt))
-        times = []
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            fn(idx, tgt).backward()
-            times.append(time.perf_counter() - start)
-        return {"step_s": median(times), "absolute_peak_bytes": m.absolute_peak_bytes}
+        return {"absolute_peak_bytes": m.absolute_peak_bytes}
 
+    methods: dict[str, tuple[torch.nn.Module, Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
     eager = copy.deepcopy(base)
-    rows["eager"] = timed(eager, eager)
+    methods["eager"] = (eager, eager)
     ckpt = copy.deepcopy(base)
     for block in ckpt.layers:
         block.forward = _checkpointed(block.forward, checkpoint)
-    rows["per_block_checkpointing"] = timed(ckpt, ckpt)
+    methods["per_block_checkpointing"] = (ckpt, ckpt)
+    for name in methods:
+        rows[name] = measured(*methods[name])
     budget = rows["per_block_checkpointing"]["absolute_peak_bytes"]
     variants: dict[str, dict[str, Any]] = {
         "fxckpt": {"memory_budget": budget, "on_infeasible": "warn"},
@@ -260,18 +266,24 @@ def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
         **{f"stride_{s}": {"segment_stride": s} for s in (1, 2, 4)},
     }
     for name, opts in variants.items():
-        torch._dynamo.reset()
         model = copy.deepcopy(base)
         fn = torch.compile(model, backend=fxckpt.backend(compiler="eager", **opts))
-        rows[name] = timed(model, fn)
-        rows[name]["options"] = {k: v for k, v in opts.items()}
-    for r in rows.values():
+        methods[name] = (model, fn)
+        rows[name] = {**measured(model, fn), "options": dict(opts)}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(steps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(step(*methods[name]))
+    for name, r in rows.items():
+        r["step_s"] = median(times[name])
         r["fits"] = r["absolute_peak_bytes"] <= budget
+    for r in rows.values():
         r["vs_eager"] = r["step_s"] / rows["eager"]["step_s"]
     fitting = {n: r for n, r in rows.items() if r["fits"] and n not in ("eager", "fxckpt")}
     fastest = min(fitting, key=lambda n: fitting[n]["step_s"]) if fitting else None
     return {"model": CHOICE.describe(), "batch": batch, "seq": seq, "budget_bytes": budget,
-            "rows": rows, "fastest_other": fastest,
+            "rounds": steps, "rows": rows, "fastest_other": fastest,
             "fxckpt_vs_fastest": (rows["fxckpt"]["step_s"] / fitting[fastest]["step_s"]
                                   if fastest else None)}  # fmt: skip
 
