@@ -87,8 +87,7 @@ log = logging.getLogger(__name__)
 
 # Compiles one step may spend re-planning its graphs, all graphs together.
 MAX_REPLANS = 8
-# Steps that may re-plan after the first (the start level grows once, after the first
-# optimizer step; Inductor's figures arrive with a graph's first backward).
+# Steps that may re-plan after the first (the optimizer's state appears; Inductor's figures).
 MAX_STEP_REPLANS = 4
 # A start level this much above what the plans assumed re-plans the step.
 START_SLACK = 1 / 200
@@ -154,8 +153,7 @@ class StepBudget:
                        self.eager_gradients(figures))
 
     def fits(self) -> bool:
-        """Whether the account, with :data:`~fxckpt.planning.account.HEADROOM` kept free,
-        is within the budget in bytes."""
+        """Whether the account, with :data:`account.HEADROOM` free, is within the budget."""
         budget = self.budget
         return budget is None or self.account().peak + HEADROOM <= budget
 
@@ -164,7 +162,6 @@ class StepBudget:
         budget = self.budget
         assert budget is not None
         keys, figures = self.sequence()
-        keys = [k for k in keys if k in self.graphs]
         # The graph's own runs make its gradients, whether it has run yet or not.
         mine = [] if key in keys else [own or self.graphs[key].figures()]
         return targets(budget, self.level, figures, keys, key, own,
@@ -326,22 +323,23 @@ class StepBudget:
             g = self.graphs[k]
             if (want := self._lower(k)) is None or g.recompile is None:
                 continue
-            margin = scheduled_margin(g, self.scheduled)
             self.replans += 1
             log.info("fxckpt[%s] runs %d time(s) a step and holds more than the budget leaves "
                      "it; planning it again (forward within %s, backward within %s)", g.label,
                      counts[k], format_bytes(want.forward), format_bytes(want.backward))
-            g.recompile(want.lowered(margin))
+            g.recompile(want)
 
     def _lower(self, k: object) -> PeakTarget | None:
-        """The target graph ``k`` would plan again for; None where it meets its own, or is at
-        its floor for one as tight already, or cannot plan again."""
+        """The target graph ``k`` would plan again for: its share less what the compiler's
+        schedule held over the plan's liveness; None where it meets its share, is at its floor
+        for a target as tight already, or cannot plan again."""
         g = self.graphs[k]
         if g.recompile is None or not g.known:
             return None
         want = self.target(k)
         if want.met_by(g.forward_peak, g.backward_peak, g.held):
             return None
+        want = want.lowered(scheduled_margin(g, self.scheduled))
         return None if g.lowest and g.target is not None and no_tighter(want, g.target) else want
 
     def _settled(self) -> bool:
@@ -351,9 +349,7 @@ class StepBudget:
         return all((g.known or g.target is None) and self._lower(k) is None for k, g in graphs.items())
 
     def _settle(self, key: object) -> None:
-        """Graph ``key`` missed its target at its lowest plan: the graphs before it plan again
-        (:meth:`_rebalance`). The verdict waits for the step's graphs, runs and eager code to
-        be known. (A fraction is each graph's own: nothing to settle.)"""
+        """Graph ``key`` missed its target at its lowest plan: the graphs before it plan again."""
         if self.budget is not None:
             self._rebalance()
 
