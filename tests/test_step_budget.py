@@ -459,6 +459,41 @@ def test_a_plan_whose_schedule_holds_more_plans_again_for_its_share_less_that() 
     assert step._lower("g") is None
 
 
+class _FixedMeter:
+    """A meter whose step peaked at ``peak`` bytes above its start."""
+
+    def __init__(self, peak: int) -> None:
+        self.result = type("Result", (), {"peak_bytes": peak})()
+        self.ended_ns: int | None = None
+
+    def __enter__(self) -> _FixedMeter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def step_ended(self) -> None:
+        self.ended_ns = 1
+
+
+@pytest.mark.parametrize(("peak", "over_read", "counted"), [
+    (120_000, 0, 20_000),  # eager code's bytes beside the plans
+    (101_000, 0, 0),  # the allocator's noise
+    (80_000, 0, 0),  # below the plans' liveness: nothing to take back
+    (80_000, 50_000, -20_000),  # Inductor's schedule read 20 KB high
+    (30_000, 50_000, -50_000),  # never below the plans' own liveness
+])
+def test_a_measured_step_corrects_the_figures_by_what_it_saw(peak: int, over_read: int,
+                                                             counted: int) -> None:
+    from fxckpt.planning.start_level import EagerBytes
+
+    eager = EagerBytes(lambda device: _FixedMeter(peak))
+    eager.measure(torch.device("cpu"))
+    eager.step_ended(quiet=True)
+    eager.measured(100_000, over_read)
+    assert eager.known and eager.bytes == counted
+
+
 # -- Inductor ----------------------------------------------------------------------------
 
 

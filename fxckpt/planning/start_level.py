@@ -135,9 +135,11 @@ class EagerBytes:
             self._running.step_ended()
             self._quiet = quiet
 
-    def measured(self, predicted: int) -> None:
+    def measured(self, predicted: int, over_read: int = 0) -> None:
         """The next step starts: what the measured one allocated at its peak over
-        ``predicted`` (the graphs' plans' figure, start level left out) is eager code's."""
+        ``predicted`` (the graphs' plans' figure, start level left out) is eager code's. A
+        peak below ``predicted`` takes back up to ``over_read``: what a compiler's own figures
+        (Inductor's schedule) in ``predicted`` add to the plans' liveness, and read high."""
         meter, self._running = self._running, None
         quiet = self._quiet and meter.ended_ns is not None
         meter.__exit__(None, None, None)
@@ -147,7 +149,11 @@ class EagerBytes:
         self.known = True
         unseen = int(meter.result.peak_bytes) - predicted
         self.bytes = unseen if unseen > _NOISE else 0
-        if self.bytes:
+        if unseen < -_NOISE and over_read > 0:
+            self.bytes = max(unseen, -over_read)
+            log.info("fxckpt: the step peaked %s below its graphs' figures, whose compiler's "
+                     "schedule reads high; counted from now on", -self.bytes)
+        elif self.bytes:
             log.info("fxckpt: the step allocated %s more at its peak than its graphs' plans "
                      "count (eager code between graphs); counted from now on", unseen)
 

@@ -258,7 +258,10 @@ class StepBudget:
             if self.budget is not None:
                 scheduled_figures(self.graphs.values(), self.scheduled)
             if self.eager.measuring:
-                self.eager.measured(self.account(start=0).peak)
+                keys, figures = self.sequence()
+                live = [self.graphs[k].liveness() for k in keys]
+                predicted = self.account(start=0).peak
+                self.eager.measured(predicted, predicted - compose(0, live, self.eager_gradients(figures)).peak)
             self._step_starts()
             self.compiles_at_start = self.compiles
             if self.budget is not None:

@@ -55,6 +55,13 @@ class Graph:
         return GraphFigures(self.forward_peak, self.backward_peak, self.held, self.gradients,
                             self.inputs, self.saved_inputs)
 
+    def liveness(self) -> GraphFigures:
+        """Its figures at its plan's own liveness peaks (a compiler's schedule left out)."""
+        plan = json.loads(self.payload) if self.payload else {}
+        fw = min(int(plan.get("forward_peak_bytes") or self.forward_peak), self.forward_peak)
+        bw = min(int(plan.get("backward_peak_bytes") or self.backward_peak), self.backward_peak)
+        return dataclasses.replace(self.figures(), forward_peak=fw, backward_peak=bw)
+
 
 def no_tighter(a: PeakTarget, b: PeakTarget) -> bool:
     """Whether target ``a`` asks nothing that ``b`` did not already ask."""
