@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fxckpt.planning.memory import Problem, isolated_offload, simulate
+from fxckpt.planning.memory import Problem, SimResult, isolated_offload, simulate
 from fxckpt.planning.solve import Solution, greedy_curve, make_solution
 
 
@@ -210,22 +210,35 @@ def lower_bound(pb: Problem, budget: int, iso: Sequence[tuple[int, int, float]])
     return bound
 
 
-def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str
-               ) -> list[int]:
+class _Lowest:
+    """Each layout applied to one problem, every candidate at its lowest choice, simulated once
+    per layout however often :func:`admissible`, :func:`lowest` and :func:`search` ask."""
+
+    def __init__(self, problem: Problem, blocks: Blocks, prefetch: str) -> None:
+        self.problem, self.blocks, self.prefetch = problem, blocks, prefetch
+        self._memo: dict[Layout, tuple[Problem, SimResult]] = {}
+
+    def __call__(self, layout: Layout) -> tuple[Problem, SimResult]:
+        got = self._memo.get(layout)
+        if got is None:
+            pb = apply(self.problem, self.blocks, layout, rebuilt=True)
+            c = pb.candidates
+            low = [c.lowest(i) for i in range(len(pb))]
+            got = self._memo[layout] = (pb, simulate(pb, low, prefetch=self.prefetch))  # type: ignore[arg-type]
+        return got
+
+
+def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str,
+               low: _Lowest | None = None) -> list[int]:
     """Indices of the layouts :func:`search` may choose: every one without longer segments,
     and a layout of longer segments only where its lowest peak, counting what its segments
     rebuild in the backward, is no higher than one-block segments over every block reach."""
-
-    def counted_low(layout: Layout) -> int:
-        pb = apply(problem, blocks, layout, rebuilt=True)
-        c = pb.candidates
-        return simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
-
+    low = low or _Lowest(problem, blocks, prefetch)
     per_block = Layout(tuple((b,) for b in blocks.order), "blocks")
     longer = [k for k, layout in enumerate(options) if layout.kind == "stride"]
-    ceiling = counted_low(per_block) if longer else 0
+    ceiling = low(per_block)[1].peak if longer else 0
     return [k for k, layout in enumerate(options)
-            if layout.kind != "stride" or counted_low(layout) <= ceiling]
+            if layout.kind != "stride" or low(layout)[1].peak <= ceiling]
 
 
 def lowest(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> list[int]:
@@ -234,12 +247,11 @@ def lowest(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> l
     plan meets a budget)."""
     options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
     facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
-    allowed = admissible(problem, facts, options, prefetch) if len(options) > 1 else [0]
+    low = _Lowest(problem, facts, prefetch)
+    allowed = admissible(problem, facts, options, prefetch, low) if len(options) > 1 else [0]
     best: list[int] | None = None
     for k in allowed:
-        pb = apply(problem, facts, options[k], rebuilt=True)
-        c = pb.candidates
-        res = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).resident  # type: ignore[arg-type]
+        res = low(options[k])[1].resident
         if best is None or max(res, default=0) < max(best, default=0):
             best = res
     return best or []
@@ -278,7 +290,8 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
     """
     options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
     facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
-    allowed = admissible(problem, facts, options, prefetch) if len(options) > 1 else [0]
+    low = _Lowest(problem, facts, prefetch)
+    allowed = admissible(problem, facts, options, prefetch, low) if len(options) > 1 else [0]
     S = problem.prefix_ms()
     iso = [isolated_offload(problem, S, i, prefetch) for i in range(len(problem))]
     # Best-first over lower bounds: a layout's block time bounds what it can cost, and its
@@ -293,7 +306,7 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
             break  # nothing left can beat it
         layout = options[k]
         ms = blocks_ms(facts, layout)
-        pb = apply(problem, facts, layout, rebuilt=True)
+        pb = low(layout)[0]
         if not tight:
             bound = ms + lower_bound(pb, budget, iso)
             if math.isfinite(bound):
@@ -307,13 +320,10 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
         return best[3]
     lowest: tuple[int, float, int] | None = None
     for k in allowed:
-        pb = apply(problem, facts, options[k], rebuilt=True)
-        c = pb.candidates
-        low = simulate(pb, [c.lowest(i) for i in range(len(pb))], prefetch=prefetch).peak  # type: ignore[arg-type]
-        here = (low, blocks_ms(facts, options[k]), k)
+        here = (low(options[k])[1].peak, blocks_ms(facts, options[k]), k)
         lowest = here if lowest is None or here < lowest else lowest
     layout = options[lowest[2]] if lowest is not None else NONE
-    pb = apply(problem, facts, layout, rebuilt=True)
+    pb = low(layout)[0]
     sol = greedy_curve(pb, prefetch).solution(budget)
     return Pick(layout, pb, sol, blocks_ms(facts, layout), freed(facts, layout))
 
