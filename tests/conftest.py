@@ -61,9 +61,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _shard(config, items):
-    """FXCKPT_CI_SHARD="K/N" keeps, of the tests not marked slow, those of every Nth test file
-    (the files in path order, from the Kth, counting from 0); slow tests all stay. CI runs the
-    fast tier whole on one torch and split between the others (.ci/run)."""
+    """FXCKPT_CI_SHARD="K/N" keeps, of the tests marked neither slow nor heavy, those of every
+    Nth test file (the files in path order, from the Kth, counting from 0); slow and heavy tests
+    all stay. CI splits the fast tier between its torches, each fast test on one (.ci/run)."""
     spec = os.environ.get("FXCKPT_CI_SHARD")
     if not spec:
         return
@@ -75,9 +75,12 @@ def _shard(config, items):
         raise pytest.UsageError(
             f"FXCKPT_CI_SHARD={spec!r}: write K/N with 0 <= K < N, e.g. FXCKPT_CI_SHARD=0/2"
         ) from None
-    files = sorted({item.path for item in items if "slow" not in item.keywords})
+    def tiered(item) -> bool:
+        return "slow" in item.keywords or "heavy" in item.keywords
+
+    files = sorted({item.path for item in items if not tiered(item)})
     mine = set(files[k::n])
-    kept = [item for item in items if "slow" in item.keywords or item.path in mine]
+    kept = [item for item in items if tiered(item) or item.path in mine]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
