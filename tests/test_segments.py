@@ -87,6 +87,20 @@ def test_stride_2_saves_only_segment_inputs_inside_blocks() -> None:
     assert recomputed and all("interior of segment" in r.decision.reason for r in recomputed if r.block is not None)
 
 
+def test_recomputed_rows_carry_the_flops_of_their_op() -> None:
+    """A segment interior's row names the FLOPs its recompute runs: a matmul's 2·m·n·k (the
+    fc layers' outputs), nothing for the pointwise ops FlopCounterMode does not count."""
+    plan = plan_for(1)
+    rows = [r for r in plan.activations if r.decision.kind == "recompute" and r.block is not None]
+    mm = [r for r in rows if r.op.startswith(("addmm", "mm"))]
+    assert mm, [r.op for r in rows]
+    for r in mm:
+        m, n = r.shape[0], r.shape[-1]
+        k = 4 * D if n == D else D
+        assert r.flops == 2 * m * n * k, (r.name, r.op, r.shape, r.flops)
+    assert plan.recomputed_flops == sum(r.flops for r in rows) > 0
+
+
 def test_stride_2_width_1_keeps_odd_interiors_only() -> None:
     baseline = plan_for(0)
     plan = plan_for(2, 1)

@@ -53,7 +53,7 @@ from fxckpt.graph.activations import (
     saved_activations,
 )
 from fxckpt.graph.blocks import find_blocks
-from fxckpt.graph.costs import assumptions
+from fxckpt.graph.costs import assumptions, node_flops
 from fxckpt.graph.liveness import held_for_backward
 from fxckpt.graph.sizes import planning_at
 from fxckpt.options import Options
@@ -278,6 +278,23 @@ def _plan(ctx: Context) -> None:
     ctx.fw, ctx.bw = attempt.part.fw, attempt.part.bw
 
 
+def _recompute_flops(ctx: Context, seen: Mapping[str, Any], final: set[str]) -> dict[str, float]:
+    """FLOPs to rebuild each tensor the final partition no longer saves: a single op's as its
+    round priced it; a recomputed block's or segment's tensors, their producer's in the
+    baseline's forward (``FlopCounterMode``'s formulas: matmuls, convolutions, attention)."""
+    rounds = ctx.attempt.rounds if ctx.attempt is not None else None
+    nodes = {n.name: n for n in ctx.base[0].graph.nodes} if ctx.base is not None else {}
+    out: dict[str, float] = {}
+    for name in seen:
+        if name in final:
+            continue
+        if rounds is not None and name in rounds.flops:
+            out[name] = rounds.flops[name]
+        elif name in nodes:
+            out[name] = node_flops(nodes[name])
+    return out
+
+
 def _settle(ctx: Context) -> None:
     """The plan: each saved tensor's decision with its reason, the figures and the notes."""
     assert ctx.attempt is not None and ctx.part is not None
@@ -335,7 +352,7 @@ def _settle(ctx: Context) -> None:
         decision.choices if decision is not None else {},
         segment_of_block=segments,
         recompute_reasons=rounds.reasons,
-        flops=rounds.flops,
+        flops=_recompute_flops(ctx, seen, {a.name for a in part.saved}),
         budget_bytes=ticket.budget if ticket is not None else (target.largest if target else None),
         resident_peak_bytes=saved_peak,
         est_overhead_ms=ctx.attempt.segment_ms + rounds.recompute_ms + solution_ms,
