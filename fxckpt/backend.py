@@ -16,7 +16,7 @@ from fxckpt import _torch_compat as compat
 from fxckpt import residency
 from fxckpt._modules import make_callable
 from fxckpt.errors import OptionsError
-from fxckpt.options import Options, options_from_env
+from fxckpt.options import ENV_OPTIONS, Options, options_from_env
 from fxckpt.planning.plan import Plan, plan_payload
 
 if TYPE_CHECKING:
@@ -317,8 +317,16 @@ def fxckpt_backend(
     if isinstance(options, Options):
         opts = options
     else:
-        merged = {**options_from_env(), **dict(options or {})}
-        opts = Options.from_mapping(merged)
+        env = options_from_env()
+        explicit = dict(options or {})
+        try:
+            opts = Options.from_mapping({**env, **explicit})
+        except OptionsError as e:
+            if e.option not in env or e.option in explicit:
+                raise
+            where = f"set in the environment variable {ENV_OPTIONS}"
+            raise OptionsError(e.option, e.value, e.accepted,
+                               f"{e.detail}; {where}" if e.detail else where) from None
     return compile_graph(gm, example_inputs, opts, mode)
 
 

@@ -394,7 +394,11 @@ def suggest_option(key: str) -> list[str]:
     return found[:2]
 
 
-def options_from_env(env_var: str = "FXCKPT_OPTIONS") -> dict[str, Any]:
+# The environment variable that carries options where code cannot pass them (a JSON object).
+ENV_OPTIONS = "FXCKPT_OPTIONS"
+
+
+def options_from_env(env_var: str = ENV_OPTIONS) -> dict[str, Any]:
     """Return the JSON object in ``env_var``, or ``{}`` when it is unset or empty.
 
     For callers such as the HF Trainer, which cannot pass ``options=``. The keys and values are

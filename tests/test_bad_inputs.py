@@ -289,6 +289,8 @@ def test_bad_fxckpt_options_env_refuses_through_torch_compile(
     inner = _inner(info.value)
     assert isinstance(inner, OptionsError)
     _check_message(inner, name)
+    # The user wrote it in the environment, not in code: the message says where to look.
+    assert "FXCKPT_OPTIONS" in str(inner)
 
 
 def test_explicit_options_override_a_bad_env_value(monkeypatch: pytest.MonkeyPatch) -> None:

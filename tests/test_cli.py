@@ -207,6 +207,14 @@ def test_console_script_exit_code() -> None:
     assert "memory_budget" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_python_dash_m_fxckpt_is_the_command() -> None:
+    """``python -m fxckpt`` runs the same command (a source tree has no console script)."""
+    proc = subprocess.run([sys.executable, "-m", "fxckpt", "inspect", GPT, "--budget", "-3"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("fxckpt inspect: error:") and "memory_budget" in proc.stderr
+
+
 def _planned_in_child(tmp_path: Path, *argv: str, timeout: int) -> tuple[dict[str, Any], int]:
     """Run the CLI in a fresh process; return its JSON document and its peak RSS in bytes."""
     out = tmp_path / "plan.json"
