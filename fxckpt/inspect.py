@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -322,6 +323,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise TargetError(f"cannot read the config {str(p)!r}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise TargetError(f"{str(p)!r} is not valid JSON: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("_class_name"), str):
+        raise TargetError(f"{str(p)!r} is a diffusers config ({data['_class_name']}); --hf-config "
+                          "builds transformers causal LMs: plan a diffusers model with a factory "
+                          "(docs/cli.md, 'Diffusers models')")  # fmt: skip
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise TargetError(f"{str(p)!r} has no 'model_type'; is it a transformers config.json?")
     return data
@@ -350,8 +355,8 @@ def hf_workload(
     data["use_cache"] = False  # a training step; a KV cache under dynamo only gets in the way
     try:
         config = transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as e:
-        raise TargetError(f"transformers does not know model_type {model_type!r}: {e}") from None
+    except (ValueError, KeyError):
+        raise TargetError(_unknown_model_type(transformers, model_type)) from None
     dtype_kw = "dtype" if _hf_takes_dtype(transformers.__version__) else "torch_dtype"
     try:
         with torch.device("meta"):
@@ -365,6 +370,17 @@ def hf_workload(
     size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.1f}M"
     desc = f"{type(model).__name__} ({size} params), batch {batch} x seq {seq}, {dtype}"
     return Workload(model, (), {"input_ids": ids, "labels": ids}, None, desc)
+
+
+def _unknown_model_type(transformers: Any, model_type: str) -> str:
+    """One line: the model type, the nearest that transformers knows, where the whole list is
+    (transformers' own error lists every model type, some 11,000 characters)."""
+    known = sorted(getattr(transformers, "CONFIG_MAPPING", {}).keys())
+    near = difflib.get_close_matches(model_type, known, n=3)
+    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+    return (f"transformers {transformers.__version__} does not know model_type {model_type!r}"
+            f"{hint} (all {len(known)}: python -c \"import transformers; "
+            "print(*transformers.CONFIG_MAPPING)\")")  # fmt: skip
 
 
 def _hf_takes_dtype(version: str) -> bool:

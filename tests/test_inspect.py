@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,44 @@ def test_unknown_model_type(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
     with pytest.raises(TargetError, match="no-such-model"):
         hf_workload(tmp_path)
+
+
+def test_a_misspelt_model_type_is_one_short_line_with_the_nearest(tmp_path) -> None:
+    """transformers' own error lists every model type it knows (some 11,000 characters)."""
+    (tmp_path / "config.json").write_text('{"model_type": "lama", "hidden_size": 8}')
+    with pytest.raises(TargetError) as info:
+        hf_workload(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert "'llama'" in message and "CONFIG_MAPPING" in message
+
+
+def test_a_diffusers_config_points_to_a_factory(tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"_class_name": "FluxTransformer2DModel", "num_layers": 2}')
+    with pytest.raises(TargetError, match=r"diffusers config \(FluxTransformer2DModel\).*factory"):
+        read_hf_config(tmp_path)
+
+
+def test_the_documented_diffusers_factory_plans(tmp_path, capsys) -> None:
+    """docs/cli.md's factory for a diffusers transformer, on a tiny Flux config, end to end."""
+    pytest.importorskip("diffusers")
+    from fxckpt.cli import main
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    section = doc.split("## Diffusers models", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    config = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 16,
+              "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 24,
+              "guidance_embeds": True, "axes_dims_rope": [4, 4, 8]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "flux_factory.py"
+    path.write_text(code.replace('CONFIG = "FLUX.1-dev/transformer/config.json"',
+                                 f"CONFIG = {str(tmp_path / 'config.json')!r}"))  # fmt: skip
+    assert main(["inspect", f"{path}:factory", "--budget", "0.5", "--format", "json", "-q"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["graphs"] and plan["graphs"][0]["activations"]
+    assert plan["totals"]["recomputed_flops"] > 0  # the recomputed attention and matmuls
 
 
 class _Pair(nn.Module):
