@@ -305,3 +305,51 @@ def test_views_of_one_storage_cross_the_link_once_and_train_like_eager() -> None
     assert s["offloaded_bytes"] == s["prefetched_bytes"] <= 2 * plan.offloaded_bytes
     assert s["offload_calls"] == 2 * len(set(storages))
     del compiled
+
+
+def test_a_tensor_later_blocks_read_in_the_backward_has_a_bucket_of_its_own(monkeypatch, tmp_path) -> None:
+    """A Llama's first layer builds the causal mask that every layer's attention reads: in the
+    backward it is needed from the last layer's attention on. In the first layer's bucket it
+    would bring the whole layer back at the start of the backward (its copy window the
+    shortest of all layers, where it should be the longest)."""
+    import json
+
+    import fxckpt.planning.plan_round as plan_round
+    from fxckpt.inspect import hf_workload, inspect_options, plan_workload
+
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 896,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+              "vocab_size": 4096, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    seen: list[tuple[Any, list[int]]] = []
+    real = plan_round.copy_buckets
+
+    def record(storages: Any, *args: Any) -> list[int]:
+        ids = real(storages, *args)
+        seen.append((storages, ids))
+        return ids
+
+    monkeypatch.setattr(plan_round, "copy_buckets", record)
+    work = hf_workload(tmp_path, seq=512, dtype="float32")
+    plan_workload(work, inspect_options(memory_budget=0.3, on_infeasible="warn"))
+    assert seen
+    storages, ids = seen[0]  # the first round: plain min-cut's saved tensors
+
+    def need(block: int) -> int:
+        """When the bucket of the block's matmul outputs must be back: the earliest backward
+        use among its members."""
+        own = [i for i, s in enumerate(storages)
+               if any(a.block == block and a.op == "mm.default" for a in s.members)]  # fmt: skip
+        buckets = {ids[i] for i in own if ids[i] >= 0}
+        assert buckets, block
+        return min(a.first_bw_use for i, s in enumerate(storages) if ids[i] in buckets
+                   for a in s.members if a.first_bw_use >= 0)  # fmt: skip
+
+    # The mask (a masked_fill or an expand, by transformers' version and length) is layer 0's
+    # and read in the backward before anything of layer 1's.
+    first_of_1 = min(a.first_bw_use for s in storages for a in s.members
+                     if a.block == 1 and a.first_bw_use >= 0)  # fmt: skip
+    assert any(0 <= a.first_bw_use < first_of_1 for s in storages for a in s.members if a.block == 0)
+    # The backward runs the layers in reverse: layer 0's bucket comes back last.
+    assert need(0) > need(1) > need(2)

@@ -166,7 +166,7 @@ class RoundPlanner:
         if (opts.coalesce == "auto" and problem.timeline.copy_overhead_ms > 0
                 and opts.host_budget is None):
             c = problem.candidates
-            ids = copy_buckets(storages, part.fw, self.blocks.block_of, c.can_offload)
+            ids = copy_buckets(storages, part.fw, part.bw, self.blocks.block_of, c.can_offload)
             problem = Problem(problem.timeline, dataclasses.replace(c, bucket=ids))
         return problem, flops, storages, forced_why, fw_ms
 

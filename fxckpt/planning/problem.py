@@ -171,19 +171,39 @@ def in_the_step(problem: Problem, forward_live: Sequence[int], backward_live: Se
     return Problem(dataclasses.replace(tl, fixed_resident=fixed), c), budget
 
 
+def backward_blocks(bw: fx.GraphModule, block_of: Callable[[fx.Node], int | None]) -> list[int | None]:
+    """Per position of the backward graph, the block whose backward runs there: the block of
+    the latest node at or before it that autograd made (it carries the forward's module stack).
+    A forward op that the partitioner recomputes carries its own forward block instead, which
+    says nothing of where the backward is (the first layer's causal mask, expanded again at the
+    start of the backward for the last layer's attention)."""
+    out: list[int | None] = []
+    running: int | None = None
+    for node in bw.graph.nodes:
+        if node.meta.get(meta.FWD_NN_MODULE_STACK) and not node.meta.get(meta.NN_MODULE_STACK):
+            running = block_of(node)
+        out.append(running)
+    return out
+
+
 def copy_buckets(
-    storages: Sequence[StorageGroup], fw: fx.GraphModule, block_of: Callable[[fx.Node], int | None],
-    can_offload: Sequence[bool],
+    storages: Sequence[StorageGroup], fw: fx.GraphModule, bw: fx.GraphModule,
+    block_of: Callable[[fx.Node], int | None], can_offload: Sequence[bool],
 ) -> list[int]:
-    """A bucket id per storage: offloadable storages of one dtype produced in one block whose
-    forward uses end in one block share an id (they are copied together, so each is held
-    until the bucket's last forward use); every other storage has an id of its own.
+    """A bucket id per storage: offloadable storages of one dtype produced in one block, whose
+    forward uses end in one block and whose backward uses begin in one block, share an id
+    (they are copied together, so each is held until the bucket's last forward use, and all
+    come back for the bucket's first backward use); every other storage has an id of its own.
 
     Grouping by the block of the last forward use keeps a block's output, which the next
     block reads, out of its producer block's bucket: in it, every member would stay on the
-    device until the next block ends.
+    device until the next block ends. Grouping by the block of the first backward use keeps a
+    tensor that later blocks' backwards read (a causal mask the first layer builds and every
+    layer's attention uses) out of it too: with it, the whole bucket would come back at the
+    start of the backward and stay there to the end.
     """
     nodes = list(fw.graph.nodes)
+    running = backward_blocks(bw, block_of)
     keys: dict[tuple, int] = {}
     out = []
     for i, s in enumerate(storages):
@@ -194,7 +214,9 @@ def copy_buckets(
             out.append(-1 - i)  # alone
             continue
         last = nodes[max(a.last_fw_use for a in s.members)]
-        key = (block, block_of(last), dtypes.pop())
+        uses = [a.first_bw_use for a in s.members if a.first_bw_use >= 0]
+        first = running[min(uses)] if uses else None
+        key = (block, block_of(last), first, dtypes.pop())
         out.append(keys.setdefault(key, len(keys)))
     return out
 
