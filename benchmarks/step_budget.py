@@ -28,7 +28,9 @@ Also measured:
   checkpointing and each ``segment_stride`` whose measured peak fits N, in one run, under an
   emulated host link sized to an H200 over PCIe Gen5 (``h200-pcie5``); every method is
   compiled and measured first, then timed one step at a time in 9 rounds, the order rotated
-  each round, and each method's median step is compared;
+  each round, and each method's median step is compared; also fxckpt's step over the fastest
+  one's in each round (paired: median, quartiles, range), each plan's predicted added time,
+  and which methods run the same plan as fxckpt's (every saved tensor decided alike);
 - ``compile``: planning's share of the compile time on a 24-block decoder under a budget that
   binds (:func:`benchmarks.planner_scaling.compile_share`).
 """
@@ -265,11 +267,18 @@ def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
         "offload_all": {"offload": "all"},
         **{f"stride_{s}": {"segment_stride": s} for s in (1, 2, 4)},
     }
+    decisions: dict[str, list[tuple[str, str]]] = {}
     for name, opts in variants.items():
         model = copy.deepcopy(base)
+        fxckpt.reset_stats()
         fn = torch.compile(model, backend=fxckpt.backend(compiler="eager", **opts))
         methods[name] = (model, fn)
         rows[name] = {**measured(model, fn), "options": dict(opts)}
+        # The planner's own prediction of what the plan adds to the step (recompute, exposed
+        # copies): where two methods predict the same, they run the same plan.
+        plans = fxckpt.last_plans()
+        rows[name]["predicted_added_ms"] = sum(p.est_overhead_ms for p in plans)
+        decisions[name] = sorted((r.name, r.decision.kind) for p in plans for r in p.activations)
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for r in range(steps):
@@ -282,10 +291,24 @@ def _choice(steps: int, batch: int, seq: int) -> dict[str, Any]:
         r["vs_eager"] = r["step_s"] / rows["eager"]["step_s"]
     fitting = {n: r for n, r in rows.items() if r["fits"] and n not in ("eager", "fxckpt")}
     fastest = min(fitting, key=lambda n: fitting[n]["step_s"]) if fitting else None
+    # Paired: fxckpt's step against the fastest's in the same round (one after the other, on
+    # the same load), so that the spread says how far apart two runs of one plan can read.
+    paired = sorted(a / b for a, b in zip(times["fxckpt"], times[fastest], strict=True)) if fastest else []
     return {"model": CHOICE.describe(), "batch": batch, "seq": seq, "budget_bytes": budget,
             "rounds": steps, "rows": rows, "fastest_other": fastest,
+            # Methods whose plan decides every saved tensor as fxckpt's does: the same plan,
+            # so that their step times differ by the machine's noise alone.
+            "same_plan_as_fxckpt": [n for n in decisions if n != "fxckpt" and decisions[n] == decisions["fxckpt"]],
             "fxckpt_vs_fastest": (rows["fxckpt"]["step_s"] / fitting[fastest]["step_s"]
-                                  if fastest else None)}  # fmt: skip
+                                  if fastest else None),
+            "paired_vs_fastest": {"median": median(paired), "quartiles": _quartiles(paired),
+                                  "min": min(paired), "max": max(paired)} if paired else None}  # fmt: skip
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of sorted ``xs`` (the medians of each half)."""
+    half = len(xs) // 2
+    return median(xs[:half] or xs), median(xs[len(xs) - half:] or xs)
 
 
 def _checkpointed(forward: Any, checkpoint: Any) -> Any:
@@ -355,7 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("sweep:", doc["sweep"])
         if "choice" not in skip:
             doc["choice"] = choice()
-            print("choice:", {n: (round(r["vs_eager"], 3), r["fits"]) for n, r in doc["choice"]["rows"].items()})
+            print("choice:", {n: (round(r["vs_eager"], 3), r["fits"]) for n, r in doc["choice"]["rows"].items()},
+                  "paired against the fastest that fits:", doc["choice"]["paired_vs_fastest"],
+                  "the same plan as fxckpt's:", doc["choice"]["same_plan_as_fxckpt"])
         if "compile" not in skip:
             from benchmarks.planner_scaling import compile_share
 
