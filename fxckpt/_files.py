@@ -21,16 +21,38 @@ import errno
 import mmap
 import os
 import secrets
+import shutil
 import threading
 import time
 from typing import Any
 
 import torch
 
+from fxckpt.errors import OptionsError
+from fxckpt.units import format_bytes
+
 PAGE_BYTES = mmap.PAGESIZE
 PROBE_BYTES = 32 * 2**20
 # Linux moves at most 0x7ffff000 bytes per read/write call, whatever the count asked for.
 _MAX_IO = 0x7FFFF000
+
+
+class DiskProbeError(OptionsError):
+    """The disk tier's bandwidth probe could not write or read its file in ``offload_dir``
+    (``errno.ENOSPC``: less free space than the probe's :data:`PROBE_BYTES`)."""
+
+    def __init__(self, directory: str, where: str, code: int | None, why: str) -> None:
+        self.errno = code
+        try:
+            free = f"{format_bytes(shutil.disk_usage(where).free)} free there"
+        except OSError:
+            free = "its free space unknown"
+        place = "" if where == directory else f" in {where}"
+        super().__init__(
+            "offload_dir", directory,
+            "a directory with room for the tensors sent to disk, or no offload_dir",
+            f"writing the {format_bytes(PROBE_BYTES)} bandwidth probe{place} failed: {why}; {free}",
+        )
 
 
 class ShortFile(OSError):
@@ -170,6 +192,7 @@ def measure_bandwidth(directory: str, *, scratch: str | None = None, direct: boo
         direct = bool(_O_DIRECT) and FILES.direct_ok(scratch or directory)
     path = os.path.join(scratch or directory, f".fxckpt-probe-{os.getpid()}-{secrets.token_hex(4)}")
     area = mmap.mmap(-1, PROBE_BYTES)
+    failed: tuple[int | None, str] | None = None
     try:
         data = memoryview(area)
         start = time.perf_counter()
@@ -178,10 +201,16 @@ def measure_bandwidth(directory: str, *, scratch: str | None = None, direct: boo
         start = time.perf_counter()
         FILES.read(path, data, direct)
         read = time.perf_counter() - start
+    except OSError as err:
+        # Only the figures leave this block: the error's traceback holds views of ``area``
+        # (a chunk being written), and closing it while they live raises BufferError instead.
+        failed = (err.errno, err.strerror or str(err))
     finally:
         FILES.remove(path)
         data.release()
-        area.close()
+    area.close()
+    if failed is not None:
+        raise DiskProbeError(directory, scratch or directory, *failed)
     rates = (PROBE_BYTES / max(wrote * 1e3, 1e-6), PROBE_BYTES / max(read * 1e3, 1e-6))
     with _rates_lock:
         _rates[key] = rates

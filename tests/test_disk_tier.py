@@ -5,6 +5,7 @@ directories refused at compile time, the planner's reasons, and ``fxckpt inspect
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -25,6 +26,7 @@ from fxckpt import _files
 from fxckpt.backend import runtime_profile
 from fxckpt.cli import main
 from fxckpt.errors import OptionsError, RuntimeCopyError
+from fxckpt.planning.host import HostReport, warn_host_short
 from fxckpt.runtime import disk, disk_dir, engine, pool, profiles
 from fxckpt.runtime.disk import DiskTierWarning
 
@@ -253,8 +255,9 @@ def test_fxckpt_backend_leaves_a_good_offload_dir_untouched(clean: None, tmp_pat
 def test_a_short_host_without_a_disk_recomputes_under_a_memory_budget(clean: None) -> None:
     torch.manual_seed(0)
     options = {**ALL, "memory_budget": 1.0, "host_budget": 16384}
-    with pytest.warns(UserWarning, match="host_budget=16384 cannot hold every offload"):
+    with pytest.warns(UserWarning, match="host_budget=16.0 KiB cannot hold every offload") as seen:
         assert_step_matches(GPT(n_layers=2), gpt_inputs(), fxckpt.backend(**options))
+    assert any("Give an offload_dir" in str(w.message) for w in seen)
     (plan,) = fxckpt.last_plans()
     moved = [r for r in plan.activations if "host_budget 16.0 KiB" in r.decision.reason]
     assert any(r.decision.kind == "recompute" for r in moved)
@@ -282,3 +285,31 @@ def test_inspect_plans_a_disk_tier_offline_and_shows_the_split(
     assert main(["inspect", gpt, "--host-budget", "-1", "-q"]) == 2
     err = capsys.readouterr().err
     assert "'host_budget'" in err and "-1" in err
+
+
+def test_with_an_offload_dir_the_host_warning_does_not_ask_for_one() -> None:
+    report = HostReport(16384, recomputed=2)
+    with pytest.warns(UserWarning, match="16.0 KiB cannot hold every offload; 2 recomputed") as seen:
+        warn_host_short("0/0", report, disk=True)
+    (w,) = seen
+    assert "offload_dir" not in str(w.message) and "raise host_budget" in str(w.message)
+
+
+def test_a_full_disk_under_the_bandwidth_probe_is_a_typed_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The real file calls, the disk full at the first write: the error names offload_dir,
+    the directory and its free space (it was a BufferError from closing the probe's buffer
+    while the failed write's traceback held a view of it)."""
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OptionsError) as info:
+        _files.measure_bandwidth(str(tmp_path), direct=False)
+    err = info.value
+    assert err.option == "offload_dir" and err.value == str(tmp_path)
+    assert "No space left on device" in str(err) and "free there" in str(err), str(err)
+    assert "32.0 MiB" in str(err) and len(str(err)) < 400, str(err)
+    assert list(tmp_path.iterdir()) == []  # the probe's file is gone

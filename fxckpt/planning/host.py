@@ -27,6 +27,7 @@ from fxckpt.planning.problem import StorageGroup
 from fxckpt.runtime.pool import size_class
 from fxckpt.runtime.slabs import carving_fits, whole_pages
 from fxckpt.runtime.staging import STAGING_SLOTS, staged_bytes
+from fxckpt.units import format_bytes
 
 
 @dataclass
@@ -131,16 +132,19 @@ def place_tiers(
     return report, any(t.kind in ("recompute", "keep") for t in placed)
 
 
-def warn_host_short(graph_name: str, report: HostReport | None) -> None:
-    """One warning per graph when the host budget turned offloads into recompute or keep."""
+def warn_host_short(graph_name: str, report: HostReport | None, disk: bool = False) -> None:
+    """One warning per graph when the host budget turned offloads into recompute or keep.
+    ``disk``: an ``offload_dir`` is given, so the advice is not to give one."""
     if report is None or not (report.recomputed or report.kept):
         return
     moved = [f"{n} {what}" for n, what in ((report.recomputed, "recomputed"),
                                            (report.kept, "kept on the device")) if n]  # fmt: skip
+    advice = ("The disk tier took what it can hide behind compute; raise host_budget to "
+              "offload the rest." if disk else
+              "Give an offload_dir (a disk tier) or raise host_budget to offload them.")
     warnings.warn(
-        f"fxckpt[{graph_name}]: host_budget={report.budget} cannot hold every offload; "
-        f"{' and '.join(moved)} instead. Give an offload_dir (a disk tier) or raise host_budget "
-        "to offload them.",
+        f"fxckpt[{graph_name}]: host_budget={format_bytes(report.budget)} cannot hold every "
+        f"offload; {' and '.join(moved)} instead. {advice}",
         stacklevel=3,
     )
 

@@ -333,7 +333,7 @@ def settle(
     if budget is not None and not solution.feasible and not step:
         infeasible(graph_name, budget, solution.peak, options, pool_capped=decision.host_capped,
                    sizes=sizes)  # fmt: skip
-    warn_host_short(graph_name, decision.host)
+    warn_host_short(graph_name, decision.host, disk=options.offload_dir is not None)
     return solution
 
 
