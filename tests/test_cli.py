@@ -134,6 +134,7 @@ def test_html_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     html = page.read_text()
     assert html.startswith("<!DOCTYPE html>") and html.count("<svg") >= 2
     assert "budget" in html and "<table" in html and "layers.0" in html
+    assert "predicted step peak" in html and "predicted step time" in html
     # Self-contained: nothing to fetch (the SVG namespace URI is an identifier, not a fetch).
     assert not re.search(r"<script|<link|<img|@import|src=|url\(", html)
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", html)

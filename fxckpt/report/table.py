@@ -134,6 +134,7 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("recomputed", share(t.recomputed_bytes)
          + (f", {human_flops(t.recomputed_flops)}" if t.recomputed_flops else "")),
         ("est. added step time", human_ms(t.est_overhead_ms)),
+        *_step_time(plans),
         ("device / host / disk", " / ".join(human_bytes(n) for n in (
             t.resident_peak_bytes, t.host_bytes, t.disk_bytes))),
     ]
@@ -156,6 +157,16 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
                           f"{human_bytes(p.step['total_bytes'])} > {human_bytes(p.budget_bytes)}; "
                           "showing the smallest plan found"))  # fmt: skip
     return items
+
+
+def _step_time(plans: Sequence[Plan]) -> list[tuple[str, str]]:
+    """The predicted step time (compute and what the plan adds), each graph run once."""
+    ms = [p.timeline["predicted_step_ms"] for p in plans
+          if p.timeline and "predicted_step_ms" in p.timeline]  # fmt: skip
+    if not ms:
+        return []
+    label = "predicted step time" + (" (each graph run once)" if len(plans) > 1 else "")
+    return [(label, human_ms(float(sum(ms))))]
 
 
 def largest_kept(plans: Sequence[Plan], n: int = 5) -> list[PlannedActivation]:
