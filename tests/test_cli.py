@@ -292,3 +292,16 @@ def test_module_target_is_found_in_the_current_directory(
     assert code == 0, err
     shapes = [a["shape"] for g in json.loads(out)["graphs"] for a in g["activations"]]
     assert shapes == [[32, 64]]  # tanh's output, saved for its backward
+
+
+def test_piped_output_takes_its_width_from_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def widest(*argv: str) -> int:
+        code, out, err = run(capsys, GPT, "-q", *argv)
+        assert code == 0, err
+        return max(len(line) for line in out.splitlines())
+
+    assert widest() == 200  # piped, no COLUMNS: wide enough for the reasons
+    monkeypatch.setenv("COLUMNS", "100")
+    assert widest() == 100

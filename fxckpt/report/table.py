@@ -6,6 +6,7 @@ Uses ``rich`` (the ``cli`` extra) when it is installed, plain aligned text other
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -203,8 +204,10 @@ class SweepRow:
 def _console(out: TextIO) -> Any:
     from rich.console import Console
 
-    # Piped output has no terminal width; 80 columns would fold every reason into slivers.
-    width = None if out.isatty() else 200
+    # Piped output has no terminal width; 80 columns would fold every reason into slivers. A
+    # COLUMNS the user sets is the width, piped or not.
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() and int(columns) > 0 else None if out.isatty() else 200
     return Console(file=out, width=width, highlight=False, soft_wrap=False)
 
 
