@@ -16,6 +16,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from fxckpt.units import format_bytes
+
 CHILD = textwrap.dedent(
     """
     import json, sys
@@ -79,13 +81,20 @@ def test_plus_fxckpt_logs_the_pipeline_and_every_decision_with_its_reason() -> N
     assert summary in log, log
     rows = plan["activations"]
     assert {r["decision"] for r in rows} >= {"keep", "recompute", "offload"}
+    # Every decision in one record under one header, a line each, aligned (torch's formatter
+    # repeats the record's prefix on each line).
     lines = log.splitlines()
-    for row in rows:
+    (head,) = [i for i, ln in enumerate(lines)
+               if f"fxckpt[{plan['name']}] {len(rows)} saved tensors (name, module, size, reason):" in ln]
+    block = lines[head + 1 : head + 1 + len(rows)]
+    reasons = []
+    for row, line in zip(rows, block, strict=True):
         assert row["reason"].startswith(row["decision"] + ":")
-        hits = [ln for ln in lines if f"fxckpt[{plan['name']}] {row['name']} " in ln]
-        assert hits, f"no log line for {row['name']}"
-        assert any(ln.rstrip().endswith(row["reason"]) for ln in hits), (row, hits)
-        assert any(f"{row['bytes']} B" in ln for ln in hits)
+        assert f"  {row['name']} " in line and line.endswith(row["reason"]), (row, line)
+        assert format_bytes(row["bytes"]) in line
+        reasons.append(line.index(row["reason"]))
+    assert len(set(reasons)) == 1, block  # aligned
+    assert not any(f"fxckpt[{plan['name']}] {row['name']} " in log for row in rows)
     for note in plan["notes"]:
         assert f"fxckpt[{plan['name']}] {note}" in log
     # What the cost model assumed, with where each figure came from.

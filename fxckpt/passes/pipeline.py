@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 from fxckpt._torch_compat import trace_plan_artifact
 from fxckpt.planning.plan import Plan, describe_assumptions
+from fxckpt.units import format_bytes
 
 log = logging.getLogger("fxckpt.passes.partition")
 
@@ -88,13 +89,23 @@ def run(context: C, graph: str, stages: Sequence[Stage[C]]) -> C:
     return context
 
 
+def decision_block(plan: Plan) -> str:
+    """Every saved tensor's decision, one aligned line each: one log record for the lot."""
+    rows = [(a.name, a.module or "-", format_bytes(a.bytes), a.decision.reason)
+            for a in plan.activations]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"  {n:<{widths[0]}}  {m:<{widths[1]}}  {b:>{widths[2]}}  {why}"
+                     for n, m, b, why in rows)  # fmt: skip
+
+
 def log_plan(plan: Plan) -> None:
-    """The plan, to the log (its summary and notes at INFO, each decision at DEBUG) and the
+    """The plan, to the log (its summary and notes at INFO, every decision at DEBUG, as one
+    aligned block) and the
     structured trace."""
     log.info("fxckpt %s", plan.summary())
-    for row in plan.activations:
-        log.debug("fxckpt[%s] %-24s %-28s %10d B  %s", plan.name, row.name, row.module or "-",
-                  row.bytes, row.decision.reason)
+    if plan.activations and log.isEnabledFor(logging.DEBUG):
+        log.debug("fxckpt[%s] %d saved tensors (name, module, size, reason):\n%s", plan.name,
+                  len(plan.activations), decision_block(plan))
     for note in plan.notes:
         log.info("fxckpt[%s] %s", plan.name, note)
     if plan.assumptions:
