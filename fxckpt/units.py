@@ -117,6 +117,21 @@ def parse_duration_ms(value: Any, option: str) -> float:
     return ms
 
 
+# Options whose values are bytes, and those that are bytes per second (shown in human units).
+BYTE_OPTIONS = frozenset({"memory_budget", "host_budget", "min_offload_bytes"})
+BANDWIDTH_OPTIONS = frozenset({"bandwidth", "offload_dir_bandwidth"})
+
+
+def option_value(name: str, value: Any) -> str:
+    """An option's value as a user would write it: bytes as ``"12.0 GiB"``, bandwidths as
+    ``"25 GB/s"``, anything else as its ``repr``."""
+    if name in BYTE_OPTIONS and isinstance(value, int) and not isinstance(value, bool):
+        return repr(format_bytes(value))
+    if name in BANDWIDTH_OPTIONS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(f"{value / 1e9:.3g}GB/s")
+    return repr(value)
+
+
 def format_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``: powers of 1024, one decimal, as budgets are written."""
     value = float(n)

@@ -305,3 +305,13 @@ def test_piped_output_takes_its_width_from_columns(
     assert widest() == 200  # piped, no COLUMNS: wide enough for the reasons
     monkeypatch.setenv("COLUMNS", "100")
     assert widest() == 100
+
+
+def test_html_options_and_notes_speak_in_units(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    page = tmp_path / "plan.html"
+    code, out, err = run(capsys, GPT, "--budget", "3MiB", "--html", str(page), "-q")
+    assert code == 0, err
+    html = page.read_text()
+    options = next(line for line in html.splitlines() if "options: " in line)
+    assert "memory_budget=&#x27;3.0 MiB&#x27;" in options, options
+    assert str(3 * 2**20) not in html

@@ -43,6 +43,7 @@ from fxckpt import _torch_compat as compat
 from fxckpt.graph import meta
 from fxckpt.graph.liveness import input_storages, restores, storage_key
 from fxckpt.planning.plan import Plan
+from fxckpt.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def corrected(plan: Plan, payload: str) -> Plan:
     """``plan`` with Inductor's step peak in place of the graphs' liveness, where it has one."""
     peak = step_peak(payload)
     if peak is not None:
-        plan.notes.append(f"step peak from Inductor's schedules: {peak} bytes (graph liveness: "
-                          f"{plan.predicted_step_peak_bytes})")
+        plan.notes.append(f"step peak from Inductor's schedules: {format_bytes(peak)} (graph "
+                          f"liveness: {format_bytes(plan.predicted_step_peak_bytes or 0)})")
         plan.predicted_step_peak_bytes = peak
     return plan

@@ -95,7 +95,7 @@ from fxckpt.planning.planner import build_plan
 from fxckpt.planning.problem import segment_recompute_ms, user_offload_requests
 from fxckpt.planning.size_range import fit_range
 from fxckpt.planning.weights import step_estimate
-from fxckpt.units import format_bytes
+from fxckpt.units import format_bytes, option_value
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def _settle(ctx: Context) -> None:
                      f"its backward within {format_bytes(target.backward)}")
     if ctx.span is not None:
         plain, floor = ctx.span
-        notes.append(f"memory_budget={options.memory_budget}: {format_bytes(floor)} (the lowest "
+        notes.append(f"memory_budget={option_value('memory_budget', options.memory_budget)}: {format_bytes(floor)} (the lowest "
                      f"plan) + {options.memory_budget} x ({format_bytes(plain)} (plain min-cut) - "
                      f"{format_bytes(floor)}), the graph's own step peak in the planner's model")
     if ctx.lowered:
@@ -339,8 +339,8 @@ def _settle(ctx: Context) -> None:
                              "end, for the budget to hold over the range fixed by mark_dynamic")  # fmt: skip
             if (short := ctx.range_check.shortfall) is not None:
                 infeasible(ctx.graph_name, short.allowed, short.kept, options, sizes=short.at)
-                notes.append(f"over {ctx.range_check.what} at {short.at}: {short.kept} bytes "
-                             f"against {short.allowed}")  # fmt: skip
+                notes.append(f"over {ctx.range_check.what} at {short.at}: {format_bytes(short.kept)} "
+                             f"against {format_bytes(short.allowed)}")  # fmt: skip
             notes += ctx.range_check.install()
     seen = {a.name: a for a in ctx.baseline}
     for name, a in rounds.rebuilt.items():

@@ -28,6 +28,7 @@ import torch.fx as fx
 from fxckpt._torch_compat import inductor_channels_last_nodes, non_overlapping_and_dense
 from fxckpt.graph.activations import saved_nodes, storage_key, tensor_val
 from fxckpt.graph.sizes import numel_bytes
+from fxckpt.units import format_bytes
 
 aten = torch.ops.aten
 
@@ -45,7 +46,7 @@ class KeptLayouts:
             return []
         return [
             f"Inductor's layout optimization: {len(self.names)} saved graph inputs stay in "
-            f"their own layout ({self.copy_bytes} bytes of channels-last copies not saved)"
+            f"their own layout ({format_bytes(self.copy_bytes)} of channels-last copies not saved)"
         ]
 
 

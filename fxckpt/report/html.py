@@ -24,6 +24,7 @@ from fxckpt.report.table import (
     weight_cells,
     weights_title,
 )
+from fxckpt.units import option_value
 
 W, H = 1000, 330  # SVG viewBox
 LEFT, RIGHT, TOP, BOTTOM = 92, 16, 30, 46
@@ -284,7 +285,7 @@ def render_html(
 ) -> str:
     """The whole page as a string."""
     heading = title or (f"fxckpt plan: {target}" if target else "fxckpt plan")
-    opts = ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None)
+    opts = ", ".join(f"{k}={option_value(k, v)}" for k, v in options.items() if v is not None)
     summary = "".join(
         f'<tr class="{"bad" if label == "OVER BUDGET" else ""}"><td>{escape(label)}</td>'
         f"<td>{escape(value)}</td></tr>"
