@@ -135,6 +135,14 @@ def test_html_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     assert html.startswith("<!DOCTYPE html>") and html.count("<svg") >= 2
     assert "budget" in html and "<table" in html and "layers.0" in html
     assert "predicted step peak" in html and "predicted step time" in html
+    # One name per figure in both charts; the timeline's positions are on its axis; a long
+    # table wraps its cells within the page instead of running off its side.
+    charts = re.findall(r"<svg.*?</svg>", html, re.S)
+    assert sum("plain min-cut saves" in c for c in charts) >= 2, "one name for the baseline"
+    assert "min-cut peak" not in html and "baseline (plain" not in html
+    timeline = next(c for c in charts if "forward → backward" in c)
+    assert len(re.findall(r'class="xtick"', timeline)) == 5
+    assert "table.rows{width:100%}" in html and "overflow-wrap:anywhere" in html
     # Self-contained: nothing to fetch (the SVG namespace URI is an identifier, not a fetch).
     assert not re.search(r"<script|<link|<img|@import|src=|url\(", html)
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", html)

@@ -27,6 +27,11 @@ from fxckpt.report.table import (
 from fxckpt.units import option_value
 
 W, H = 1000, 330  # SVG viewBox
+# One name per figure in every chart: what plain min-cut saves (the yardstick of the summary),
+# and the simulator's baseline, the plan's own partition before anything is offloaded.
+BASELINE = "plain min-cut saves"
+UNOFFLOADED = "this partition with nothing offloaded"
+X_TICKS = 4  # intervals on a timeline's position axis
 LEFT, RIGHT, TOP, BOTTOM = 92, 16, 30, 46
 MAX_POINTS = 1000  # longer timelines are max-pooled: a peak is never averaged away
 COLORS = {"baseline": "#9aa0a6", "plan": "#1a73e8", "budget": "#d93025",
@@ -37,7 +42,9 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 6px}
 .muted{color:#5f6368} .bad{color:#d93025;font-weight:600}
 table{border-collapse:collapse;font-size:13px} td,th{padding:3px 10px;text-align:left}
 table.rows tr:nth-child(even){background:#f6f8fa} th{border-bottom:1px solid #ccc}
+table.rows{width:100%} table.rows td{overflow-wrap:anywhere;vertical-align:top}
 table.rows td:nth-child(5){text-align:right;white-space:nowrap}
+table.rows td:last-child{min-width:16em}
 table.summary td:first-child{font-weight:600;padding-right:24px}
 .keep{color:#188038} .offload{color:#098591} .recompute{color:#b06000}
 svg{max-width:100%;height:auto;font:12px system-ui,sans-serif}
@@ -107,7 +114,7 @@ def _timeline_marks(x: Callable[[float], float], y: Callable[[float], float], n:
         my = y(min_cut_peak)
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{my:.1f}" y2="{my:.1f}" '
                      f'stroke="{COLORS["baseline"]}" stroke-width="1.5" stroke-dasharray="2 3"/>'
-                     f'<text x="{LEFT + 6}" y="{my - 5:.1f}">plain min-cut peak '
+                     f'<text x="{LEFT + 6}" y="{my - 5:.1f}">{BASELINE} '
                      f"{escape(human_bytes(min_cut_peak))}</text>")  # fmt: skip
     if budget:
         by = y(int(budget))
@@ -156,17 +163,23 @@ def timeline_svg(timeline: Mapping[str, Any], title: str, min_cut_peak: int = 0)
         pts = path(base)
         parts.append(f'<polygon points="{x(0):.1f},{y(0):.1f} {pts} '
                      f'{x(n):.1f},{y(0):.1f}" fill="{COLORS["baseline"]}" '
-                     'fill-opacity="0.35"><title>baseline (plain min-cut), peak '
+                     f'fill-opacity="0.35"><title>{UNOFFLOADED}, peak '
                      f"{escape(human_bytes(max(base)))}</title></polygon>")  # fmt: skip
     if plan:
         parts.append(f'<polyline points="{path(plan)}" fill="none" stroke="{COLORS["plan"]}" '
                      f'stroke-width="2"><title>fxckpt plan, peak {escape(human_bytes(max(plan)))}'
                      "</title></polyline>")  # fmt: skip
+    for i in range(X_TICKS + 1):  # the position axis: node positions in execution order
+        at = round(i * n / X_TICKS)
+        parts.append(f'<line x1="{x(at):.1f}" x2="{x(at):.1f}" y1="{H - BOTTOM}" '
+                     f'y2="{H - BOTTOM + 5}" stroke="#5f6368"/><text class="xtick" x="{x(at):.1f}" '
+                     f'y="{H - BOTTOM + 17}" text-anchor="middle">{at}</text>')  # fmt: skip
     parts += _timeline_marks(x, y, n, fwd_end, min_cut_peak, budget)
     parts.append("</svg>")
     legend = ('<div class="legend">'
               f'<span><i class="swatch" style="background:{COLORS["baseline"]};opacity:.5"></i>'
-              "this partition with nothing offloaded</span>"
+              f"{UNOFFLOADED}</span>"
+              f'<span><i class="dash" style="border-color:{COLORS["baseline"]}"></i>{BASELINE}</span>'
               f'<span><i class="swatch" style="background:{COLORS["plan"]}"></i>fxckpt plan</span>'
               '<span><i class="dash"></i>the graph\'s target under memory_budget</span></div>')  # fmt: skip
     return "\n".join(parts) + legend
@@ -226,7 +239,7 @@ def overview_svg(plan: Plan) -> str:
             ("  activations at the peak", int(step.get("activations_bytes") or 0), COLORS["baseline"]),
             ] if step else [("plan: the graph's own step peak", plan.predicted_step_peak_bytes or 0,
                              COLORS["plan"])]  # fmt: skip
-    bars += [("baseline: plain min-cut saves", plan.baseline_saved_bytes, COLORS["baseline"]),
+    bars += [(BASELINE, plan.baseline_saved_bytes, COLORS["baseline"]),
              ("plan: saved activations at their peak", plan.resident_peak_bytes, COLORS["plan"]),
              ("plan: offloaded to host", plan.host_bytes, COLORS["offload"]),
              ("plan: recomputed in the backward", plan.recomputed_bytes, COLORS["recompute"])]  # fmt: skip
