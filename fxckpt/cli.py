@@ -268,6 +268,7 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             progress(f"budget {label}")
         results.append(table.SweepRow(label, plan_workload(work, opts, progress=progress)))
     progress.done()
+    _warn_host_memory(results)
     options = runs[0][1].to_dict()
     sink = open(args.output, "w") if args.output else out  # noqa: SIM115
     try:
@@ -292,6 +293,25 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not args.quiet:
             err.write(f"wrote {args.html}\n")
     return 0
+
+
+def _warn_host_memory(results: Sequence[Any]) -> None:
+    """Warn where a plan sends more to host memory than this machine has RAM."""
+    from fxckpt import _host
+    from fxckpt.units import format_bytes
+
+    need = max(sum(p.host_bytes for p in r.plans) for r in results)
+    try:
+        ram = _host.total_bytes()
+    except FxckptError:
+        return
+    if need > ram:
+        warnings.warn(
+            f"the plan sends {format_bytes(need)} of activations to host memory; this machine "
+            f"has {format_bytes(ram)} of RAM. Train where the host holds that beside the process, "
+            "or give --host-budget (the rest is recomputed or kept) or an offload_dir.",
+            stacklevel=2,
+        )
 
 
 def _quiet_transformers() -> None:

@@ -323,3 +323,16 @@ def test_html_options_and_notes_speak_in_units(capsys: pytest.CaptureFixture[str
     options = next(line for line in html.splitlines() if "options: " in line)
     assert "memory_budget=&#x27;3.0 MiB&#x27;" in options, options
     assert str(3 * 2**20) not in html
+
+
+def test_host_memory_past_the_machines_ram_is_warned(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fxckpt import _host
+
+    code, out, err = run(capsys, GPT, "--offload", "all", "-q")
+    assert code == 0 and "host memory" not in err, err  # this machine holds it
+    monkeypatch.setattr(_host, "total_bytes", lambda: 2**20)
+    code, out, err = run(capsys, GPT, "--offload", "all", "-q")
+    assert code == 0, err
+    assert "to host memory; this machine has 1.0 MiB of RAM" in err, err
