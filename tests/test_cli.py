@@ -336,3 +336,20 @@ def test_host_memory_past_the_machines_ram_is_warned(
     code, out, err = run(capsys, GPT, "--offload", "all", "-q")
     assert code == 0, err
     assert "to host memory; this machine has 1.0 MiB of RAM" in err, err
+
+
+def test_the_report_points_at_the_models_own_waste(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A causal LM's float32 log-softmax and its seq x seq mask, among the largest kept
+    tensors, are named once each with their fix; a model without them gets no such line."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # 200 columns: each line unfolded
+    code, out, err = run(capsys, "--hf-config", QWEN3, "--seq", "256", "--batch", "2",
+                         "--dtype", "float32", "-q")  # fmt: skip
+    assert code == 0, err
+    assert out.count("log-softmax over the vocabulary (512×512, 1.0 MiB)") == 1, out
+    assert out.count("attention mask built whole (2×1×256×256, 512.0 KiB)") == 1, out
+    assert "chunked cross-entropy" in out and "is_causal" in out
+    code, out, err = run(capsys, "fixtures.tiny_gpt:gpt_logits", "-q")
+    assert code == 0, err
+    assert "in the model" not in out

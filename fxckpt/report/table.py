@@ -145,6 +145,7 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
                       f"memory, {human_bytes(sum(p.weight_h2d_bytes for p in plans))} copied per "
                       f"step, {human_bytes(sum(p.resident_weight_bytes for p in plans))} kept on "
                       "the device"))  # fmt: skip
+    items += model_waste(plans)
     hosts = {p.options.get("host_budget") for p in plans} - {None}
     if hosts:
         items.append(("host budget", ", ".join(sorted(
@@ -168,6 +169,33 @@ def _step_time(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         return []
     label = "predicted step time" + (" (each graph run once)" if len(plans) > 1 else "")
     return [(label, human_ms(float(sum(ms))))]
+
+
+MASK_OPS = ("masked_fill", "where", "expand", "full", "_to_copy", "bitwise_and", "logical_and", "le", "lt")
+
+
+def model_waste(plans: Sequence[Plan]) -> list[tuple[str, str]]:
+    """What the model itself could stop keeping, where it is among the largest kept tensors:
+    a loss's log-softmax over the vocabulary (float32, whatever the model's dtype), or an
+    attention mask built as a sequence x sequence tensor. Said once each, with the fix."""
+    items = []
+    top = largest_kept(plans)
+    soft = [a for a in top if a.op.startswith("_log_softmax")]
+    if soft:
+        a = soft[0]
+        items.append(("in the model", f"the loss's {a.dtype} log-softmax over the vocabulary "
+                      f"({shape_text(a.shape)}, {human_bytes(a.bytes)}) is among the largest "
+                      "tensors kept: a chunked cross-entropy (the loss over slices of the "
+                      "sequence) never holds it whole"))  # fmt: skip
+    # batch x 1 x queries x keys: one mask broadcast over the heads
+    masks = [a for a in top if a.op.split(".")[0] in MASK_OPS and len(a.shape) == 4
+             and a.shape[1] == 1 and a.shape[2] == a.shape[3]]  # fmt: skip
+    if masks:
+        a = masks[0]
+        items.append(("in the model", f"an attention mask built whole ({shape_text(a.shape)}, "
+                      f"{human_bytes(a.bytes)}) is among the largest tensors kept: attention's "
+                      "causal path (SDPA with is_causal and no mask tensor) never builds it"))  # fmt: skip
+    return items
 
 
 def largest_kept(plans: Sequence[Plan], n: int = 5) -> list[PlannedActivation]:
