@@ -41,6 +41,14 @@ def _steady_link(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _piped_width(monkeypatch):
+    # fxckpt inspect's table takes its width from COLUMNS where it is set; pytest-xdist's
+    # workers have one (80), which would fold the tables the tests read. Tests of COLUMNS
+    # set it themselves.
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import fxckpt
 
