@@ -494,6 +494,36 @@ def test_a_measured_step_corrects_the_figures_by_what_it_saw(peak: int, over_rea
     assert eager.known and eager.bytes == counted
 
 
+class _BusyOnceMeter(_FixedMeter):
+    """A meter that cannot start while the user's own meter records (the first step)."""
+
+    starts = 0
+
+    def __enter__(self) -> _FixedMeter:
+        _BusyOnceMeter.starts += 1
+        if _BusyOnceMeter.starts == 1:
+            raise RuntimeError("a meter is already recording")
+        return self
+
+
+def test_a_step_the_user_measures_leaves_the_measuring_to_a_later_step() -> None:
+    # After a re-plan the next step is measured; where the user's own meter records that
+    # step, the step's meter cannot start, and the one after it must be measured instead
+    # (else what the new plans hold beside them is never known, and the step runs over).
+    from fxckpt.planning.start_level import EagerBytes
+
+    _BusyOnceMeter.starts = 0
+    eager = EagerBytes(lambda device: _BusyOnceMeter(120_000))
+    eager.again()
+    eager.measure(torch.device("cpu"))
+    assert not eager.measuring and not eager.done
+    eager.measure(torch.device("cpu"))
+    assert eager.measuring
+    eager.step_ended(quiet=True)
+    eager.measured(100_000)
+    assert eager.known and eager.bytes == 20_000
+
+
 # -- Inductor ----------------------------------------------------------------------------
 
 

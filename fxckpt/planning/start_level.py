@@ -121,12 +121,12 @@ class EagerBytes:
         """A step starts: measure it, unless one was measured already."""
         if self.done or self.meter is None or self._running is not None:
             return
-        self.done = True
         meter = self.meter(device)
         try:
             meter.__enter__()
-        except Exception:  # a profiler of the user's own is recording: measure nothing
+        except Exception:  # a meter or profiler of the user's own is recording: a later step
             return
+        self.done = True
         self._running = meter
 
     def step_ended(self, *, quiet: bool) -> None:

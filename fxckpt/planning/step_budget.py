@@ -87,8 +87,9 @@ log = logging.getLogger(__name__)
 
 # Compiles one step may spend re-planning its graphs, all graphs together.
 MAX_REPLANS = 8
-# Steps that may re-plan after the first (the optimizer's state appears; Inductor's figures).
-MAX_STEP_REPLANS = 4
+# Steps that may re-plan after the first (the optimizer's state appears; Inductor's figures:
+# each re-plan's own figure is measured a step later, and may move the target again).
+MAX_STEP_REPLANS = 8
 # A start level this much above what the plans assumed re-plans the step.
 START_SLACK = 1 / 200
 
