@@ -80,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "budget cannot hold go to disk")  # fmt: skip
     opts.add_argument("--cost-model", metavar="M", help="flops, profile or unit")
     opts.add_argument("--blocks", metavar="REGEX", help="module paths of the repeated blocks")
+    card = p.add_argument_group("the card: will the step fit?")
+    card.add_argument("--device-memory", metavar="SIZE|CARD",
+                      help='the device\'s memory: "80GiB", or a card (h100-80gb, h200, a100-80gb, '
+                           'a100-40gb, l40s, rtx4090, rtx3090); the budget is then "auto" for it '
+                           "unless --budget says otherwise, and the summary says whether the "
+                           "step fits")  # fmt: skip
+    card.add_argument("--optimizer", choices=("none", "adamw", "sgd"), default="none",
+                      help="the optimizer whose state the step starts with (default none): "
+                           "adamw holds 2 tensors per parameter, sgd (momentum) 1, each in the "
+                           "parameter's dtype; float32 master weights and moments (mixed "
+                           "precision) hold more: plan with --dtype float32 for them")  # fmt: skip
     weights = p.add_argument_group("streamed weights (as fxckpt.stream_weights)")
     weights.add_argument("--stream-weights", metavar="REGEX", nargs="?", const="",
                          help="keep weights in host memory: those of modules matching REGEX "
@@ -236,7 +247,9 @@ class ProgressLine:
 
 
 def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from fxckpt import sizing
     from fxckpt.inspect import hf_workload, inspect_options, plan_workload
+    from fxckpt.options import auto_budget
     from fxckpt.report import json_doc, table
 
     if (args.target is None) == (args.hf_config is None):
@@ -244,7 +257,16 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.sweep and args.html:
         raise UsageError("--sweep and --html cannot be combined: run them separately")
     flags = options_from_args(args)
+    device = sizing.device_memory(args.device_memory) if args.device_memory else None
+    if device is not None:
+        if "memory_budget" in flags and flags["memory_budget"] is None:
+            raise UsageError("--device-memory checks the step's peak, which only a budget "
+                             "accounts: drop --budget none (the budget is then the card's)")
+        if flags.get("memory_budget", "auto") == "auto":
+            flags["memory_budget"] = auto_budget(device)
     budgets = sweep_budgets(args.sweep) if args.sweep else [(args.budget or "none", None)]
+    if device is not None:
+        budgets = [(label, auto_budget(device) if v == "auto" else v) for label, v in budgets]
     # Every budget is validated before any work starts.
     runs = [(label, inspect_options(**({**flags, "memory_budget": v} if args.sweep else flags)))
             for label, v in budgets]  # fmt: skip
@@ -258,6 +280,7 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         progress(f"importing {args.target}")
         work = load_factory(args.target)
         target = args.target
+    work.optimizer = args.optimizer
     if args.stream_weights is not None:
         work.stream_weights = {"modules": args.stream_weights or None, "frozen_only": args.frozen_only}
     elif args.frozen_only:
@@ -270,6 +293,8 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress.done()
     _warn_host_memory(results)
     options = runs[0][1].to_dict()
+    fit = None if args.sweep else sizing.step_fit(
+        results[0].plans, optimizer=args.optimizer, device_memory_bytes=device)
     sink = open(args.output, "w") if args.output else out  # noqa: SIM115
     try:
         if args.sweep and args.format == "json":
@@ -278,17 +303,17 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         elif args.sweep:
             table.print_sweep(results, sink, heading=f"budget sweep: {target}")
         elif args.format == "json":
-            json.dump(json_doc.document(results[0].plans, options, target=target), sink, indent=1)
+            json.dump(json_doc.document(results[0].plans, options, target=target, fit=fit), sink, indent=1)
             sink.write("\n")
         else:
-            table.print_plans(results[0].plans, sink, heading=target)
+            table.print_plans(results[0].plans, sink, heading=target, fit=fit)
     finally:
         if sink is not out:
             sink.close()
     if args.html:
         from fxckpt.report.html import render_html
 
-        page = render_html(results[0].plans, options=options, target=target)
+        page = render_html(results[0].plans, options=options, target=target, fit=fit)
         Path(args.html).write_text(page, encoding="utf-8")
         if not args.quiet:
             err.write(f"wrote {args.html}\n")

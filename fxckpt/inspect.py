@@ -26,11 +26,13 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+from fxckpt import sizing
 from fxckpt._modules import make_callable
 from fxckpt.backend import Backend
 from fxckpt.errors import FxckptError, OptionsError
 from fxckpt.options import Options
 from fxckpt.planning.plan import Plan
+from fxckpt.planning.start_level import forget, watch
 from fxckpt.runtime import stats
 
 Progress = Callable[[str], None]
@@ -52,6 +54,8 @@ class Workload:
     description: str = ""
     # fxckpt.stream_weights's keyword arguments, to plan the model with streamed weights.
     stream_weights: dict[str, Any] | None = None
+    # The optimizer whose state the step starts with (fxckpt.sizing.OPTIMIZERS).
+    optimizer: str = "none"
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,6 +244,9 @@ def plan_workload(
         model = copy.deepcopy(model) if model is work.model else model  # never the caller's
         say(f"streaming weights: {stream_weights(model, **work.stream_weights)}")
     args, kwargs = to_meta((work.args, work.kwargs))
+    optimizer = sizing.optimizer_state(model, work.optimizer)
+    if optimizer is not None:
+        watch(optimizer)  # the start level counts its state
     module = _Step(model, work.loss_fn)
     was_training = module.training
     module.train()  # plan the training step: dropout and friends as in training
@@ -259,7 +266,13 @@ def plan_workload(
     finally:
         module.train(was_training)
         compat.reset_dynamo()
+        forget(optimizer)
     plans = [Plan.from_dict(json.loads(p)) for p in stats.plan_payloads() if p]
+    sizes = {"parameters_bytes": sizing.parameter_bytes(model),
+             "optimizer_bytes": sizing.state_bytes(optimizer)}  # fmt: skip
+    for plan in plans:
+        if plan.step is not None:
+            plan.step.update(sizes)
     say(f"planned {len(plans)} graph(s) in {time.perf_counter() - start:.1f} s")
     if not plans:
         raise TargetError(
@@ -285,6 +298,7 @@ def inspect(
     loss_fn: Callable[[Any], Any] | None = None,
     progress: Progress | None = None,
     stream_weights: dict[str, Any] | None = None,
+    optimizer: str = "none",
     **options: Any,
 ) -> list[Plan]:
     """Plan ``model``'s training step offline and return one :class:`Plan` per graph.
@@ -297,13 +311,17 @@ def inspect(
     replaced by meta tensors of the same shapes. ``stream_weights``: the keyword arguments of
     :func:`fxckpt.stream_weights` (``{}``: every parameter it would take), to plan the step
     with those weights in host memory (under ``memory_budget``, the plan says which stay).
+    ``optimizer`` (``"adamw"``, ``"sgd"`` or ``"none"``): the step starts holding that
+    optimizer's state (:mod:`fxckpt.sizing`); under a budget each plan's ``step`` then gives
+    ``parameters_bytes`` and ``optimizer_bytes`` beside its other parts.
 
     Like a fresh compile in a benchmark, this calls ``compat.reset_dynamo()`` before and after
     planning (other compiled models in the process recompile on their next call) and
     :func:`fxckpt.reset_stats` before it.
     """
     opts = inspect_options(**options)
-    work = Workload(model, *split_inputs(example_inputs), loss_fn, stream_weights=stream_weights)
+    work = Workload(model, *split_inputs(example_inputs), loss_fn, stream_weights=stream_weights,
+                    optimizer=optimizer)
     return plan_workload(work, opts, progress=progress)
 
 

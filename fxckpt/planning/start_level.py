@@ -219,6 +219,13 @@ def watch(*objects: Any) -> Any:
     return objects[0]
 
 
+def forget(*objects: Any) -> None:
+    """Stop counting objects :func:`watch` was given (``None`` is skipped)."""
+    for obj in objects:
+        if obj is not None:
+            _watched.discard(obj)
+
+
 def watched_state() -> list[torch.Tensor]:
     """The tensors of every watched module (parameters, buffers) and optimizer (parameters,
     state)."""

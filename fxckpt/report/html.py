@@ -14,6 +14,7 @@ from typing import Any
 
 from fxckpt.planning.plan import Plan
 from fxckpt.report.table import (
+    ALARMS,
     COLUMNS,
     WEIGHT_COLUMNS,
     graph_title,
@@ -24,6 +25,7 @@ from fxckpt.report.table import (
     weight_cells,
     weights_title,
 )
+from fxckpt.sizing import StepFit
 from fxckpt.units import option_value
 
 W, H = 1000, 330  # SVG viewBox
@@ -294,15 +296,16 @@ def _weights_table(plan: Plan) -> str:
 
 
 def render_html(
-    plans: Sequence[Plan], *, options: Mapping[str, Any], target: str = "", title: str = ""
+    plans: Sequence[Plan], *, options: Mapping[str, Any], target: str = "", title: str = "",
+    fit: StepFit | None = None,
 ) -> str:
     """The whole page as a string."""
     heading = title or (f"fxckpt plan: {target}" if target else "fxckpt plan")
     opts = ", ".join(f"{k}={option_value(k, v)}" for k, v in options.items() if v is not None)
     summary = "".join(
-        f'<tr class="{"bad" if label == "OVER BUDGET" else ""}"><td>{escape(label)}</td>'
+        f'<tr class="{"bad" if label in ALARMS else ""}"><td>{escape(label)}</td>'
         f"<td>{escape(value)}</td></tr>"
-        for label, value in summary_items(plans)
+        for label, value in summary_items(plans, fit)
     )
     body = [f"<h1>{escape(heading)}</h1>",
             f'<div class="muted">options: {escape(opts)}</div>',

@@ -11,6 +11,7 @@ from typing import Any
 
 from fxckpt.planning.plan import Plan
 from fxckpt.report.table import SweepRow, totals
+from fxckpt.sizing import StepFit
 
 VERSION = 1
 TOTAL_KEYS = ("baseline_saved_bytes", "resident_peak_bytes", "offloaded_bytes",
@@ -39,13 +40,16 @@ def _header(options: Mapping[str, Any], target: str) -> dict[str, Any]:
 
 
 def document(
-    plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = ""
+    plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = "",
+    fit: StepFit | None = None,
 ) -> dict[str, Any]:
-    """``{"version", "fxckpt_version", "target", "options", "graphs", "totals"}``."""
+    """``{"version", "fxckpt_version", "target", "options", "graphs", "totals", "step_peak"}``;
+    ``step_peak`` is ``fit``'s figures (``null`` without a budget)."""
     return {
         **_header(options, target),
         "graphs": [p.to_dict() for p in plans],
         "totals": totals_dict(plans),
+        "step_peak": None if fit is None else fit.to_dict(),
     }
 
 
@@ -154,6 +158,21 @@ TOTALS_SCHEMA: dict[str, Any] = {
     },
 }
 
+STEP_PEAK_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["total_bytes", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                 "activations_bytes", "weights_bytes", "other_bytes", "optimizer",
+                 "device_memory_bytes", "fits"],  # fmt: skip
+    "properties": {
+        **{k: _INT for k in ("total_bytes", "parameters_bytes", "gradients_bytes",
+                             "optimizer_bytes", "activations_bytes", "weights_bytes",
+                             "other_bytes")},  # fmt: skip
+        "optimizer": {"enum": ["none", "adamw", "sgd"]},
+        "device_memory_bytes": {"type": ["integer", "null"]},
+        "fits": {"type": ["boolean", "null"]},
+    },
+}
+
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "fxckpt inspect --format json",
@@ -166,5 +185,6 @@ SCHEMA: dict[str, Any] = {
         "options": {"type": "object"},
         "graphs": {"type": "array", "items": PLAN_SCHEMA},
         "totals": TOTALS_SCHEMA,
+        "step_peak": STEP_PEAK_SCHEMA,
     },
 }

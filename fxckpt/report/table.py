@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from fxckpt.planning.plan import Plan, PlannedActivation, PlannedWeight, describe_assumptions
+from fxckpt.sizing import StepFit
 from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
@@ -106,8 +107,13 @@ def totals(plans: Sequence[Plan]) -> Totals:
     )
 
 
-def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
-    """(label, value) lines of the summary under the tables."""
+# Summary labels shown as alarms (red in the table, "bad" in the HTML).
+ALARMS = ("OVER BUDGET", "DOES NOT FIT")
+
+
+def summary_items(plans: Sequence[Plan], fit: StepFit | None = None) -> list[tuple[str, str]]:
+    """(label, value) lines of the summary under the tables; ``fit``: the step against a card
+    (``--device-memory``, ``--optimizer``)."""
     t = totals(plans)
     base = t.baseline_saved_bytes
 
@@ -122,7 +128,11 @@ def summary_items(plans: Sequence[Plan]) -> list[tuple[str, str]]:
         ("baseline saved (plain min-cut)", human_bytes(base)),
         ("budget (the step's device peak)", budget),
     ]
-    if steps:
+    if fit is not None:
+        items.append(("predicted step peak", fit.parts()))
+        if fit.device_memory_bytes is not None:
+            items.append(("device memory" if fit.fits else "DOES NOT FIT", fit.verdict()))
+    elif steps:
         top = max(steps, key=lambda st: st["total_bytes"])
         items.append(("predicted step peak", f"{human_bytes(top['total_bytes'])}: start "
                       f"{human_bytes(top['start_bytes'])}, gradients "
@@ -239,13 +249,14 @@ def _console(out: TextIO) -> Any:
     return Console(file=out, width=width, highlight=False, soft_wrap=False)
 
 
-def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "") -> None:
+def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "",
+                fit: StepFit | None = None) -> None:
     """A table of saved activations per graph, then the summary."""
     try:
         from rich import box
         from rich.table import Table
     except ImportError:
-        out.write(plain_plans(plans, heading=heading))
+        out.write(plain_plans(plans, heading=heading, fit=fit))
         return
     console = _console(out)
     if heading:
@@ -275,8 +286,8 @@ def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "") -> Non
     summary = Table(title="summary", show_header=False, box=box.ROUNDED, title_justify="left")
     summary.add_column(style="bold")
     summary.add_column()
-    for label, value in summary_items(plans):
-        style = "bold red" if label == "OVER BUDGET" else ""
+    for label, value in summary_items(plans, fit):
+        style = "bold red" if label in ALARMS else ""
         summary.add_row(label, value, style=style)
     console.print(summary)
 
@@ -297,7 +308,7 @@ def print_sweep(rows: Sequence[SweepRow], out: TextIO, *, heading: str = "") -> 
     _console(out).print(table)
 
 
-def plain_plans(plans: Sequence[Plan], *, heading: str = "") -> str:
+def plain_plans(plans: Sequence[Plan], *, heading: str = "", fit: StepFit | None = None) -> str:
     """The same tables as plain text, for terminals without ``rich``."""
     buf = io.StringIO()
     if heading:
@@ -308,7 +319,7 @@ def plain_plans(plans: Sequence[Plan], *, heading: str = "") -> str:
             buf.write(_plain(WEIGHT_COLUMNS, [weight_cells(w) for w in plan.weights], weights_title(plan)))
         for note in plan.notes:
             buf.write(f"  note: {note}\n")
-    buf.write(_plain(("summary", ""), summary_items(plans), ""))
+    buf.write(_plain(("summary", ""), summary_items(plans, fit), ""))
     return buf.getvalue()
 
 
