@@ -9,6 +9,7 @@ and measuring the step with the allocator's meter, which never reads a plan.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,12 +58,17 @@ def test_the_step_peak_counts_the_optimizer_and_says_whether_it_fits(
     assert sgd["optimizer_bytes"] == _param_bytes(trainable=True)  # one momentum buffer
 
 
-def test_a_card_too_small_is_named_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, GPT, "--device-memory", "1MiB", "--optimizer", "adamw", "-q")
+def test_a_card_too_small_is_named_in_the_table_and_the_html(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    page = tmp_path / "plan.html"
+    code, out, err = run(capsys, GPT, "--device-memory", "1MiB", "--optimizer", "adamw", "-q",
+                         "--html", str(page))  # fmt: skip
     assert code == 0, err
     line = next(line for line in out.splitlines() if "DOES NOT FIT" in line)
     assert "does not fit on 1.0 MiB, by" in line
     assert "optimizer state" in out and "(adamw)" in out
+    assert '<tr class="bad"><td>DOES NOT FIT</td><td>does not fit on 1.0 MiB, by' in page.read_text()
 
 
 def test_named_cards_and_bad_sizes() -> None:
