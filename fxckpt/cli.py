@@ -289,12 +289,13 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for label, opts in runs:
         if args.sweep:
             progress(f"budget {label}")
-        results.append(table.SweepRow(label, plan_workload(work, opts, progress=progress)))
+        plans = plan_workload(work, opts, progress=progress)
+        fit = sizing.step_fit(plans, optimizer=args.optimizer, device_memory_bytes=device)
+        results.append(table.SweepRow(label, plans, fit))
     progress.done()
     _warn_host_memory(results)
     options = runs[0][1].to_dict()
-    fit = None if args.sweep else sizing.step_fit(
-        results[0].plans, optimizer=args.optimizer, device_memory_bytes=device)
+    fit = results[0].fit
     sink = open(args.output, "w") if args.output else out  # noqa: SIM115
     try:
         if args.sweep and args.format == "json":

@@ -9,6 +9,7 @@ and measuring the step with the allocator's meter, which never reads a plan.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,23 @@ def test_a_card_too_small_is_named_in_the_table_and_the_html(
     assert "does not fit on 1.0 MiB, by" in line
     assert "optimizer state" in out and "(adamw)" in out
     assert '<tr class="bad"><td>DOES NOT FIT</td><td>does not fit on 1.0 MiB, by' in page.read_text()
+
+
+def test_the_sweep_gives_each_budget_s_step_peak_on_the_card(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--device-memory", "6MiB", "--optimizer", "adamw", "--sweep", "auto,1.0", "-q")
+    code, out, err = run(capsys, GPT, *argv, "--format", "json")
+    assert code == 0, err
+    auto, full = (row["step_peak"] for row in json.loads(out)["sweep"])
+    assert auto["fits"] is True and full["fits"] is False  # plain's step peak is over 6 MiB
+    assert auto["total_bytes"] < full["total_bytes"]
+    code, out, err = run(capsys, GPT, *argv)
+    assert code == 0, err
+    assert "step peak" in out and "on the card" in out
+    short = (full["total_bytes"] - 6 * 2**20) / 2**20
+    assert re.search(rf"^\s*1\.0\s.*no, by {short:.1f} MiB\s*$", out, re.M), out
+    assert re.search(r"^\s*auto\s.*\syes\s*$", out, re.M), out
 
 
 def test_named_cards_and_bad_sizes() -> None:

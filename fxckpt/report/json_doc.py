@@ -63,6 +63,7 @@ def sweep_document(
             {
                 "budget": r.budget,
                 "totals": totals_dict(r.plans),
+                "step_peak": None if r.fit is None else r.fit.to_dict(),
                 "graphs": [
                     {k: p.to_dict()[k] for k in ("name", "budget_bytes", *TOTAL_KEYS)}
                     for p in r.plans

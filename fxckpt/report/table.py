@@ -17,8 +17,10 @@ from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
 WEIGHT_COLUMNS = ("parameter", "shape", "dtype", "size", "uses fw/bw", "decision", "per step", "reason")
-SWEEP_COLUMNS = ("budget", "budget bytes", "resident peak", "vs baseline", "offloaded",
-                 "recomputed", "est. overhead", "fits")  # fmt: skip
+SWEEP_COLUMNS = ("budget", "budget bytes", "step peak", "resident peak", "vs baseline",
+                 "offloaded", "recomputed", "est. overhead", "fits")  # fmt: skip
+# With --device-memory, a last column: the step on the card.
+CARD_COLUMN = "on the card"
 _STYLE = {"keep": "green", "offload": "cyan", "recompute": "yellow", "resident": "green", "stream": "cyan"}
 
 
@@ -224,19 +226,29 @@ def graph_title(plan: Plan) -> str:
 
 @dataclass(frozen=True)
 class SweepRow:
-    """One budget of a ``--sweep`` and what the plans reached under it."""
+    """One budget of a ``--sweep`` and what the plans reached under it; ``fit``: the step's
+    predicted peak and parts, against the card where one is given."""
 
     budget: str
     plans: Sequence[Plan]
+    fit: StepFit | None = None
 
-    def cells(self) -> tuple[str, ...]:
+    def cells(self, card: bool = False) -> tuple[str, ...]:
+        """The row; ``card``: with the :data:`CARD_COLUMN` cell."""
         t = totals(self.plans)
         budgets = [p.budget_bytes for p in self.plans if p.budget_bytes is not None]
         pct = 100 * t.resident_peak_bytes / t.baseline_saved_bytes if t.baseline_saved_bytes else 0
-        return (self.budget, human_bytes(sum(budgets)) if budgets else "none",
-                human_bytes(t.resident_peak_bytes), f"{pct:.0f}%", human_bytes(t.offloaded_bytes),
-                human_bytes(t.recomputed_bytes), human_ms(t.est_overhead_ms),
-                "no" if t.over_budget else "yes")  # fmt: skip
+        cells = (self.budget, human_bytes(max(budgets)) if budgets else "none",
+                 human_bytes(self.fit.total_bytes) if self.fit else "-",
+                 human_bytes(t.resident_peak_bytes), f"{pct:.0f}%", human_bytes(t.offloaded_bytes),
+                 human_bytes(t.recomputed_bytes), human_ms(t.est_overhead_ms),
+                 "no" if t.over_budget else "yes")  # fmt: skip
+        if not card:
+            return cells
+        if self.fit is None or self.fit.fits is None:
+            return (*cells, "-")
+        room = (self.fit.device_memory_bytes or 0) - self.fit.total_bytes
+        return (*cells, "yes" if room >= 0 else f"no, by {human_bytes(-room)}")
 
 
 def _console(out: TextIO) -> Any:
@@ -294,17 +306,21 @@ def print_plans(plans: Sequence[Plan], out: TextIO, *, heading: str = "",
 
 def print_sweep(rows: Sequence[SweepRow], out: TextIO, *, heading: str = "") -> None:
     """Budget -> resident peak and estimated overhead, one row per budget (the Pareto view)."""
+    card = any(r.fit is not None and r.fit.fits is not None for r in rows)
+    columns = (*SWEEP_COLUMNS, CARD_COLUMN) if card else SWEEP_COLUMNS
     try:
         from rich import box
         from rich.table import Table
     except ImportError:
-        out.write(_plain(SWEEP_COLUMNS, [r.cells() for r in rows], heading))
+        out.write(_plain(columns, [r.cells(card) for r in rows], heading))
         return
     table = Table(title=heading or "budget sweep", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in SWEEP_COLUMNS:
+    for col in columns:
         table.add_column(col, justify="left" if col == "budget" else "right")
     for r in rows:
-        table.add_row(*r.cells(), style="red" if r.cells()[-1] == "no" else "")
+        cells = r.cells(card)
+        bad = cells[len(SWEEP_COLUMNS) - 1] == "no" or (card and cells[-1].startswith("no"))
+        table.add_row(*cells, style="red" if bad else "")
     _console(out).print(table)
 
 
