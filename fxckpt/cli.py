@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from fxckpt.errors import FxckptError, OptionsError
+from fxckpt.sizing import OPTIMIZERS
 
 USAGE_ERROR = 2
 FAILURE = 1
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                            'a100-40gb, l40s, rtx4090, rtx3090); the budget is then "auto" for it '
                            "unless --budget says otherwise, and the summary says whether the "
                            "step fits")  # fmt: skip
-    card.add_argument("--optimizer", choices=("none", "adamw", "sgd"), default="none",
+    card.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
                       help="the optimizer whose state the step starts with (default none): "
                            "adamw holds 2 tensors per parameter, sgd (momentum) 1, each in the "
                            "parameter's dtype; float32 master weights and moments (mixed "

@@ -114,8 +114,13 @@ class StepFit:
     device_memory_bytes: int | None
 
     @property
+    def room(self) -> int | None:
+        """What the card has left at the step's peak (negative: short by that much)."""
+        return None if self.device_memory_bytes is None else self.device_memory_bytes - self.total_bytes
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.device_memory_bytes is None else self.total_bytes <= self.device_memory_bytes
+        return None if self.room is None else self.room >= 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,9 +133,9 @@ class StepFit:
 
     def verdict(self) -> str:
         """"fits on 79 GiB, 12 GiB to spare" or "does not fit on 23.5 GiB, by 3 GiB"."""
-        if self.device_memory_bytes is None:
+        room = self.room
+        if room is None or self.device_memory_bytes is None:
             return "no --device-memory given"
-        room = self.device_memory_bytes - self.total_bytes
         card = format_bytes(self.device_memory_bytes)
         if room >= 0:
             return f"fits on {card}, {format_bytes(room)} to spare"
@@ -150,15 +155,21 @@ class StepFit:
         return text
 
 
+def top_step(plans: Sequence[Plan]) -> dict[str, int] | None:
+    """The ``step`` account of the plan with which the step peaks highest (``None`` without a
+    budget)."""
+    steps = [p.step for p in plans if p.step]
+    return max(steps, key=lambda st: st["total_bytes"]) if steps else None
+
+
 def step_fit(plans: Sequence[Plan], *, optimizer: str = "none",
              device_memory_bytes: int | None = None) -> StepFit | None:
     """The step's figure where its plans peak highest (``None`` without a budget: plans then
     carry no step account). The parameters' and the optimizer's bytes are those
     :func:`fxckpt.inspect.plan_workload` wrote into each plan's ``step``."""
-    steps = [p.step for p in plans if p.step]
-    if not steps:
+    top = top_step(plans)
+    if top is None:
         return None
-    top = max(steps, key=lambda st: st["total_bytes"])
     start = int(top.get("start_bytes", 0))
     parameters_bytes = int(top.get("parameters_bytes", 0))
     optimizer_bytes = int(top.get("optimizer_bytes", 0))

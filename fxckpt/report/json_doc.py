@@ -11,7 +11,7 @@ from typing import Any
 
 from fxckpt.planning.plan import Plan
 from fxckpt.report.table import SweepRow, totals
-from fxckpt.sizing import StepFit
+from fxckpt.sizing import OPTIMIZERS, StepFit
 
 VERSION = 1
 TOTAL_KEYS = ("baseline_saved_bytes", "resident_peak_bytes", "offloaded_bytes",
@@ -168,7 +168,7 @@ STEP_PEAK_SCHEMA: dict[str, Any] = {
         **{k: _INT for k in ("total_bytes", "parameters_bytes", "gradients_bytes",
                              "optimizer_bytes", "activations_bytes", "weights_bytes",
                              "other_bytes")},  # fmt: skip
-        "optimizer": {"enum": ["none", "adamw", "sgd"]},
+        "optimizer": {"enum": list(OPTIMIZERS)},
         "device_memory_bytes": {"type": ["integer", "null"]},
         "fits": {"type": ["boolean", "null"]},
     },

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from fxckpt.planning.plan import Plan, PlannedActivation, PlannedWeight, describe_assumptions
-from fxckpt.sizing import StepFit
+from fxckpt.sizing import StepFit, top_step
 from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
@@ -124,7 +124,7 @@ def summary_items(plans: Sequence[Plan], fit: StepFit | None = None) -> list[tup
 
     budgets = [p.budget_bytes for p in plans if p.budget_bytes is not None]
     budget = human_bytes(max(budgets)) if budgets else "none"
-    steps = [p.step for p in plans if p.step is not None]
+    top = top_step(plans)
     items = [
         ("graphs", str(len(plans))),
         ("baseline saved (plain min-cut)", human_bytes(base)),
@@ -134,8 +134,7 @@ def summary_items(plans: Sequence[Plan], fit: StepFit | None = None) -> list[tup
         items.append(("predicted step peak", fit.parts()))
         if fit.device_memory_bytes is not None:
             items.append(("device memory" if fit.fits else "DOES NOT FIT", fit.verdict()))
-    elif steps:
-        top = max(steps, key=lambda st: st["total_bytes"])
+    elif top is not None:
         items.append(("predicted step peak", f"{human_bytes(top['total_bytes'])}: start "
                       f"{human_bytes(top['start_bytes'])}, gradients "
                       f"{human_bytes(top['gradients_bytes'])}, activations "
@@ -245,9 +244,9 @@ class SweepRow:
                  "no" if t.over_budget else "yes")  # fmt: skip
         if not card:
             return cells
-        if self.fit is None or self.fit.fits is None:
+        room = None if self.fit is None else self.fit.room
+        if room is None:
             return (*cells, "-")
-        room = (self.fit.device_memory_bytes or 0) - self.fit.total_bytes
         return (*cells, "yes" if room >= 0 else f"no, by {human_bytes(-room)}")
 
 
