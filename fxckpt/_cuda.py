@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from fxckpt import _torch_compat as compat
+
 log = logging.getLogger("fxckpt.runtime")
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -26,7 +28,7 @@ PAGE_BYTES = mmap.PAGESIZE
 # serves a model spread over several GPUs.
 _HOST_REGISTER_PORTABLE = 1
 _CU_STREAM_NON_BLOCKING = 1
-# torch.cuda._sleep spins for a number of GPU clock cycles; ~1.5 GHz turns seconds into cycles
+# compat.cuda_sleep spins for a number of GPU clock cycles; ~1.5 GHz turns seconds into cycles
 # closely enough for an injected delay.
 _CYCLES_PER_S = 1_500_000_000
 
@@ -92,7 +94,7 @@ class TorchCuda:
 
     def sleep(self, seconds: float) -> None:
         """Keep the current stream busy for about ``seconds`` (injected copy delays)."""
-        torch.cuda._sleep(int(seconds * _CYCLES_PER_S))
+        compat.cuda_sleep(int(seconds * _CYCLES_PER_S))
 
     def page_locked(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` (a multiple of the page size) of host memory, page-locked exactly.

@@ -28,12 +28,12 @@ from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402, F401
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402, F401
 from torch.fx.node import has_side_effect  # noqa: E402, F401
+from torch.utils import _pytree as pytree  # noqa: E402, F401  (tree_leaves, tree_map)
+from torch.utils._sympy.functions import FloorDiv  # noqa: E402, F401
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 # Offload policies a selective-checkpoint policy may return: no torch partitioner reads them.
-OFFLOAD_POLICIES = frozenset(
-    {CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD}
-)
+OFFLOAD_POLICIES = frozenset({CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD})
 
 
 def flop_formula(target: Any) -> Any:
@@ -178,8 +178,7 @@ def composite_ops_decompose_on_meta() -> Iterator[None]:
         for overload in packet.overloads():
             op = getattr(packet, overload)
             if meta_key in op.py_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(
-                op.name(), "CompositeImplicitAutograd"
-            ):
+                    op.name(), "CompositeImplicitAutograd"):
                 removed.append((op, op.py_kernels.pop(meta_key)))
                 op._dispatch_cache.clear()
     try:
@@ -223,7 +222,6 @@ def assume_aligned_outputs(op: Any) -> None:
     """Let Inductor assume the tensors ``op`` returns are aligned (once per process)."""
     from torch._inductor import ir, lowering
     from torch._inductor.virtualized import V
-    from torch.utils import _pytree as pytree
     if getattr(lowering.lowerings.get(op), "_fxckpt_aligned", False):
         return
     fallback = lowering.fallback_handler(op)
@@ -245,11 +243,7 @@ def cache_pinned_graphs() -> dict[str, Any]:
     from torch._inductor import config
     from torch._inductor.fx_passes.control_dependencies import control_deps
     name = f"{control_deps.__module__}.{control_deps.__name__}"
-    return {
-        "unsafe_marked_cacheable_functions": {
-            **config.unsafe_marked_cacheable_functions, name: torch.__version__
-        }
-    }
+    return {"unsafe_marked_cacheable_functions": {**config.unsafe_marked_cacheable_functions, name: torch.__version__}}
 
 
 def step_peak_settings(step_pass: Any) -> tuple[dict[str, Any], str]:
@@ -309,8 +303,7 @@ def symbol_hints(shape_env: Any) -> dict[Any, Any]:
 def symbol_upper_bound(shape_env: Any, symbol: Any) -> int | None:
     """The largest value dynamo allows ``symbol``, or None where it is unbounded."""
     import sympy
-    vr = shape_env.var_to_range.get(symbol)
-    upper = getattr(vr, "upper", None)
+    upper = getattr(shape_env.var_to_range.get(symbol), "upper", None)
     # Unbounded is torch's int_oo, which calls itself finite but is no sympy.Integer.
     return int(upper) if isinstance(upper, sympy.Integer) else None
 
@@ -379,8 +372,7 @@ def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
             else:
                 symbolic = contexts.get(x) if contexts else None
                 source = None if symbolic is None else symbolic.tensor_source
-                out.append(mode.from_tensor(x, symbolic_context=symbolic, source=source,
-                                            trace=False))
+                out.append(mode.from_tensor(x, symbolic_context=symbolic, source=source, trace=False))
     return mode, out
 
 
@@ -446,3 +438,13 @@ def stop_memory_events() -> list[tuple[int, int, int, str]]:
 def profiler_enabled() -> bool:
     """Whether a torch profiler session is recording on this thread."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The storage behind ``t``, by its C pointer (each ``untyped_storage()`` is a new wrapper)."""
+    return int(t.untyped_storage()._cdata)
+
+
+cuda_sleep = torch.cuda._sleep  # (cycles): keep the current CUDA stream busy about that long
+SDPA_FLASH = torch.ops.aten._scaled_dot_product_flash_attention  # a GPU's two SDPA kernels
+SDPA_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
 from fxckpt import sizing
 from fxckpt._modules import make_callable
+from fxckpt._torch_compat import pytree
 from fxckpt.backend import Backend
 from fxckpt.errors import FxckptError, OptionsError
 from fxckpt.options import Options
@@ -92,7 +92,7 @@ def _gpu_sdpa(
         value = value.repeat_interleave(repeats, dim=-3)
     half = query.dtype in (torch.float16, torch.bfloat16)
     if attn_mask is None and half and query.shape[-1] <= 256:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        flash = compat.SDPA_FLASH
         return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         bias = torch.zeros_like(attn_mask, dtype=query.dtype)
@@ -100,7 +100,7 @@ def _gpu_sdpa(
     if attn_mask is not None:
         shape = (*query.shape[:-1], key.shape[-2])
         attn_mask = attn_mask.expand(shape)
-    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    efficient = compat.SDPA_EFFICIENT
     return efficient(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 

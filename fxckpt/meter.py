@@ -39,9 +39,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+from fxckpt._torch_compat import pytree
 from fxckpt.errors import FxckptError
 from fxckpt.runtime import host_marks
 

@@ -28,9 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
-from fxckpt._torch_compat import is_fake_tensor, saved_tensors_hooks_free
+from fxckpt._torch_compat import is_fake_tensor, pytree, saved_tensors_hooks_free
 from fxckpt.runtime import stats
 from fxckpt.runtime.handles import handle_ptrs
 

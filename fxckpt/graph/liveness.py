@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
+from fxckpt import _torch_compat as compat
 from fxckpt.graph import meta
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def storage_key(v: object) -> object | None:
     if not isinstance(v, torch.Tensor):
         return None
     try:
-        return v.untyped_storage()._cdata
+        return compat.storage_id(v)
     except Exception:
         return None
 
@@ -103,7 +104,7 @@ def live_bytes_timeline(
             if not isinstance(v, torch.Tensor):
                 continue
             try:
-                key: object = ("storage", v.untyped_storage()._cdata)
+                key: object = ("storage", compat.storage_id(v))
             except Exception:
                 key = ("node", node.name, j)
             start = k if allocated_at is None else min(k, allocated_at.get(node, k))

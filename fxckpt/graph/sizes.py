@@ -18,9 +18,8 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.functions import FloorDiv
 
-from fxckpt._torch_compat import size_hint, symbol_hints, symbol_source
+from fxckpt._torch_compat import FloorDiv, size_hint, symbol_hints, symbol_source
 
 _PLANNING_AT: contextvars.ContextVar[Mapping[sympy.Symbol, int] | None] = contextvars.ContextVar(
     "fxckpt_planning_at", default=None

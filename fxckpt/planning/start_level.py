@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+from fxckpt._torch_compat import pytree
 
 log = logging.getLogger(__name__)
 

@@ -51,9 +51,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from fxckpt import _torch_compat as compat
+from fxckpt._torch_compat import pytree
 from fxckpt.errors import BudgetError
 from fxckpt.options import Options
 from fxckpt.planning.account import (
