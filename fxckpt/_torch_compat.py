@@ -157,7 +157,7 @@ def current_compile_id() -> Any:
     return CompileContext.current_compile_id()
 
 
-reset_dynamo = torch._dynamo.reset  # forget every compiled frame: the next call compiles anew
+reset_dynamo, mark_dynamic = torch._dynamo.reset, torch._dynamo.mark_dynamic  # forget frames; a symbolic dim
 
 
 def backend_failure() -> type[Exception]:

@@ -6,8 +6,6 @@ Exit codes: 0 done; 1 planning failed; 2 bad flags, options or target (one line 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -92,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "adamw holds 2 tensors per parameter, sgd (momentum) 1, each in the "
                            "parameter's dtype; float32 master weights and moments (mixed "
                            "precision) hold more: plan with --dtype float32 for them")  # fmt: skip
+    card.add_argument("--max-seq", metavar="LIMIT", nargs="?", const=0, type=int,
+                      help="with --device-memory: the longest sequence that fits, for plain "
+                           "torch.compile, per-block checkpointing and fxckpt, searched from --seq "
+                           "up to LIMIT tokens (default 32 x --seq); the model is traced once "
+                           "(--hf-config, or a factory that takes seq=...)")  # fmt: skip
     weights = p.add_argument_group("streamed weights (as fxckpt.stream_weights)")
     weights.add_argument("--stream-weights", metavar="REGEX", nargs="?", const="",
                          help="keep weights in host memory: those of modules matching REGEX "
@@ -154,70 +157,6 @@ def sweep_budgets(text: str) -> list[tuple[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _import_target(spec: str) -> Any:
-    module_part, sep, attr = spec.rpartition(":")
-    if not sep or not module_part or not attr:
-        raise UsageError(f"TARGET {spec!r} should be pkg.module:factory or path/model.py:factory")
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        path = Path(module_part)
-        if not path.is_file():
-            raise UsageError(f"no such file: {module_part}")
-        name = f"fxckpt_target_{path.stem}"
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise UsageError(f"cannot import {module_part}")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        sys.path.insert(0, str(path.resolve().parent))  # so it can import its neighbours
-        loader_spec.loader.exec_module(module)
-    else:
-        # A console script's sys.path starts at its bin folder; like `python -m`, look in the
-        # current directory first, so `fxckpt inspect mypkg.model:factory` works from a checkout.
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as e:
-            raise UsageError(f"cannot import {module_part!r}: {e}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UsageError(f"{module_part!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"{spec!r} is not callable")
-    return obj
-
-
-def load_factory(spec: str) -> Any:
-    """Import and call a factory on the meta device; returns a :class:`Workload`.
-
-    The factory returns ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or a
-    dict with keys ``model``, ``example_inputs`` and optionally ``loss_fn``. This runs the
-    user's code: TARGET is trusted the way ``python -c "import pkg.module"`` is.
-    """
-    import torch
-
-    from fxckpt.inspect import TargetError, Workload, split_inputs
-
-    factory = _import_target(spec)
-    with torch.device("meta"):
-        made = factory()
-    if isinstance(made, dict):
-        model, inputs, loss_fn = made.get("model"), made.get("example_inputs"), made.get("loss_fn")
-    elif isinstance(made, (tuple, list)) and len(made) in (2, 3):
-        model, inputs, loss_fn = made[0], made[1], made[2] if len(made) == 3 else None
-    else:
-        raise TargetError(f"{spec} should return (model, example_inputs[, loss_fn]); "
-                          f"got {type(made).__name__}")  # fmt: skip
-    if not isinstance(model, torch.nn.Module):
-        raise TargetError(f"{spec} returned a {type(model).__name__} where an nn.Module belongs")
-    config: Any = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a training step; a KV cache under dynamo only gets in the way
-    return Workload(model, *split_inputs(inputs), loss_fn, spec)
-
-
 # --------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------
@@ -249,14 +188,17 @@ class ProgressLine:
 
 def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from fxckpt import sizing
-    from fxckpt.inspect import hf_workload, inspect_options, plan_workload
+    from fxckpt.inspect import inspect_options, plan_workload
     from fxckpt.options import auto_budget
     from fxckpt.report import json_doc, table
+    from fxckpt.workloads import hf_workload, load_factory
 
     if (args.target is None) == (args.hf_config is None):
         raise UsageError("give either TARGET (pkg.module:factory) or --hf-config PATH")
     if args.sweep and args.html:
         raise UsageError("--sweep and --html cannot be combined: run them separately")
+    if args.max_seq is not None and (args.sweep or not args.device_memory):
+        raise UsageError("--max-seq searches against a card: give --device-memory, and no --sweep")
     flags = options_from_args(args)
     device = sizing.device_memory(args.device_memory) if args.device_memory else None
     if device is not None:
@@ -286,6 +228,8 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         work.stream_weights = {"modules": args.stream_weights or None, "frozen_only": args.frozen_only}
     elif args.frozen_only:
         raise UsageError("--frozen-only chooses among streamed weights: add --stream-weights")
+    if args.max_seq is not None and device is not None:
+        return _run_max_seq(args, work, flags, runs[0][1], device, target, progress, out, err)
     results = []
     for label, opts in runs:
         if args.sweep:
@@ -316,6 +260,59 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from fxckpt.report.html import render_html
 
         page = render_html(results[0].plans, options=options, target=target, fit=fit)
+        Path(args.html).write_text(page, encoding="utf-8")
+        if not args.quiet:
+            err.write(f"wrote {args.html}\n")
+    return 0
+
+
+def _run_max_seq(args: argparse.Namespace, work: Any, flags: dict[str, Any], opts: Any,
+                 device: int, target: str, progress: ProgressLine, out: TextIO, err: TextIO) -> int:
+    """``--max-seq``: the plan at --seq, then each strategy's longest sequence on the card."""
+    from fxckpt import sizing
+    from fxckpt.report import json_doc, table
+    from fxckpt.seq_fit import longest_sequences, plan_lengths
+
+    limit = flags["memory_budget"]
+    if not isinstance(limit, int):
+        raise UsageError(f"--max-seq searches against bytes: --budget {args.budget} is not a size "
+                         "(write one such as 70GiB, or leave --budget out for the card's)")  # fmt: skip
+    seq = work.seq or args.seq
+    ceiling = args.max_seq or 32 * seq
+    if ceiling < seq:
+        raise UsageError(f"--max-seq {args.max_seq} is below the starting length {seq}: give a "
+                         "larger limit, or a smaller --seq")  # fmt: skip
+    base = {k: v for k, v in flags.items() if k != "memory_budget"}
+    with plan_lengths(work, progress=progress) as plan_at:
+        progress(f"the plan at {seq} tokens")
+        plans = plan_at(opts, seq)
+        fits = longest_sequences(plan_at, limit=limit, seq=seq, ceiling=ceiling, base=base,
+                                 say=progress)  # fmt: skip
+    progress.done()
+    fit = sizing.step_fit(plans, optimizer=args.optimizer, device_memory_bytes=device)
+    options = opts.to_dict()
+    title = (f"longest sequence whose step fits {sizing.format_bytes(limit)} (the usable part of "
+             f"{sizing.format_bytes(device)})")  # fmt: skip
+    lengths = json_doc.fit_document(fits, limit_bytes=limit, device_memory_bytes=device,
+                                    quantum=sizing.seq_quantum(seq),
+                                    batch=args.batch if args.hf_config else None)  # fmt: skip
+    sink = open(args.output, "w") if args.output else out  # noqa: SIM115
+    try:
+        if args.format == "json":
+            doc = json_doc.document(plans, options, target=target, fit=fit, lengths=lengths)
+            json.dump(doc, sink, indent=1)
+            sink.write("\n")
+        else:
+            table.print_plans(plans, sink, heading=target, fit=fit)
+            table.print_lengths(fits, sink, heading=title)
+    finally:
+        if sink is not out:
+            sink.close()
+    if args.html:
+        from fxckpt.report.html import render_html
+
+        page = render_html(plans, options=options, target=target, fit=fit, lengths=fits,
+                           lengths_title=title)  # fmt: skip
         Path(args.html).write_text(page, encoding="utf-8")
         if not args.quiet:
             err.write(f"wrote {args.html}\n")

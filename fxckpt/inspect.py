@@ -4,7 +4,7 @@
 ``torch.compile(backend=fxckpt.backend(compiler="eager", ...))`` on the ``meta`` device. The
 partitioner plans during the first call; the compiled graphs then run on meta tensors, which
 have shapes but no data, so no activation or weight memory is ever allocated. The model may be
-built on ``meta`` (see :func:`hf_workload`) or be a real one: real weights are replaced by meta
+built on ``meta`` (see :func:`fxckpt.hf_config.hf_workload`) or be a real one: real weights are replaced by meta
 stand-ins in a copy and never touched.
 """
 
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +54,9 @@ class Workload:
     stream_weights: dict[str, Any] | None = None
     # The optimizer whose state the step starts with (fxckpt.sizing.OPTIMIZERS).
     optimizer: str = "none"
+    # The step's (args, kwargs) at any sequence length, for planning at other lengths.
+    inputs_at: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    seq: int | None = None  # the sequence length of args and kwargs, where it is known
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,18 +233,17 @@ def inspect_options(**options: Any) -> Options:
     return opts
 
 
-def plan_workload(
-    work: Workload, options: Options, *, progress: Progress | None = None
-) -> list[Plan]:
-    """Plan one training step of ``work`` on meta tensors; one Plan per compiled graph."""
-    say = progress or (lambda _msg: None)
+@contextlib.contextmanager
+def offline_step(work: Workload, say: Progress) -> Iterator[tuple[_Step, nn.Module, Any]]:
+    """``work``'s step on meta tensors, ready to compile: the module (loss included, in
+    training mode), the meta model, and the optimizer whose state the start level counts.
+    Dynamo's caches and fxckpt's stats are reset on the way in and dynamo's on the way out."""
     model = meta_copy(work.model)
     if work.stream_weights is not None:
         from fxckpt.weights import stream_weights
 
         model = copy.deepcopy(model) if model is work.model else model  # never the caller's
         say(f"streaming weights: {stream_weights(model, **work.stream_weights)}")
-    args, kwargs = to_meta((work.args, work.kwargs))
     optimizer = sizing.optimizer_state(model, work.optimizer)
     if optimizer is not None:
         watch(optimizer)  # the start level counts its state
@@ -252,9 +252,16 @@ def plan_workload(
     module.train()  # plan the training step: dropout and friends as in training
     compat.reset_dynamo()
     stats.reset()
-    compiled = torch.compile(module, backend=Backend(options, offline=True))
-    start = time.perf_counter()
-    say("tracing the model with dynamo")
+    try:
+        yield module, model, optimizer
+    finally:
+        module.train(was_training)
+        compat.reset_dynamo()
+        forget(optimizer)
+
+
+def run_step(compiled: Any, args: Any, kwargs: Any, say: Progress) -> None:
+    """One call of the compiled step on meta tensors; fxckpt's own errors come out unwrapped."""
     try:
         with offline_dispatch(), _report_steps(say), torch.device("meta"):
             compiled(*args, **kwargs)
@@ -263,23 +270,39 @@ def plan_workload(
         if isinstance(inner, FxckptError):
             raise inner from None
         raise
-    finally:
-        module.train(was_training)
-        compat.reset_dynamo()
-        forget(optimizer)
+
+
+def collected_plans(model: nn.Module, optimizer: Any) -> list[Plan]:
+    """The plans of the graphs compiled since the stats were reset, with the step's parameter
+    and optimizer bytes written into each plan's ``step``."""
     plans = [Plan.from_dict(json.loads(p)) for p in stats.plan_payloads() if p]
     sizes = {"parameters_bytes": sizing.parameter_bytes(model),
              "optimizer_bytes": sizing.state_bytes(optimizer)}  # fmt: skip
     for plan in plans:
         if plan.step is not None:
             plan.step.update(sizes)
-    say(f"planned {len(plans)} graph(s) in {time.perf_counter() - start:.1f} s")
     if not plans:
         raise TargetError(
             "nothing to plan: no output of the model requires grad (are its parameters "
             "frozen, or does it run under torch.no_grad()?)"
         )
     return [_unwrap_paths(p) for p in plans]
+
+
+def plan_workload(
+    work: Workload, options: Options, *, progress: Progress | None = None
+) -> list[Plan]:
+    """Plan one training step of ``work`` on meta tensors; one Plan per compiled graph."""
+    say = progress or (lambda _msg: None)
+    with offline_step(work, say) as (module, model, optimizer):
+        args, kwargs = to_meta((work.args, work.kwargs))
+        compiled = torch.compile(module, backend=Backend(options, offline=True))
+        start = time.perf_counter()
+        say("tracing the model with dynamo")
+        run_step(compiled, args, kwargs, say)
+        plans = collected_plans(model, optimizer)
+    say(f"planned {len(plans)} graph(s) in {time.perf_counter() - start:.1f} s")
+    return plans
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -325,103 +348,16 @@ def inspect(
     return plan_workload(work, opts, progress=progress)
 
 
-# --------------------------------------------------------------------------------------------
-# Hugging Face models from a config.json
-# --------------------------------------------------------------------------------------------
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path`` (a ``config.json`` or a folder holding one); nothing runs."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise TargetError(f"cannot read the config {str(p)!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{str(p)!r} is not valid JSON: {e}") from None
-    if isinstance(data, dict) and isinstance(data.get("_class_name"), str):
-        raise TargetError(f"{str(p)!r} is a diffusers config ({data['_class_name']}); --hf-config "
-                          "builds transformers causal LMs: plan a diffusers model with a factory "
-                          "(docs/cli.md, 'Diffusers models')")  # fmt: skip
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise TargetError(f"{str(p)!r} has no 'model_type'; is it a transformers config.json?")
-    return data
-
-
-def hf_workload(
-    path: str | Path, *, batch: int = 1, seq: int = 2048, dtype: str = "bfloat16"
-) -> Workload:
-    """A causal LM built on ``meta`` from a ``config.json``, and token inputs of (batch, seq).
-
-    Only JSON is read: the config class comes from transformers' own registry by
-    ``model_type``, and remote code (``auto_map``) is never loaded.
-    """
-    try:
-        import transformers
-    except ImportError:
-        raise TargetError("--hf-config needs transformers: pip install 'fxckpt[hf]'") from None
-    data = read_hf_config(path)
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise TargetError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
-    if batch < 1 or seq < 1:
-        raise TargetError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
-    model_type = data.pop("model_type")
-    data.pop("auto_map", None)  # remote code is never loaded
-    data["use_cache"] = False  # a training step; a KV cache under dynamo only gets in the way
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError):
-        raise TargetError(_unknown_model_type(transformers, model_type)) from None
-    dtype_kw = "dtype" if _hf_takes_dtype(transformers.__version__) else "torch_dtype"
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa", **{dtype_kw: torch_dtype}
-            )
-            ids = torch.zeros(batch, seq, dtype=torch.long)
-    except ValueError as e:
-        raise TargetError(f"cannot build a causal LM from {str(path)!r}: {e}") from None
-    n_params = sum(p.numel() for p in model.parameters())
-    size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.1f}M"
-    desc = f"{type(model).__name__} ({size} params), batch {batch} x seq {seq}, {dtype}"
-    return Workload(model, (), {"input_ids": ids, "labels": ids}, None, desc)
-
-
-def _unknown_model_type(transformers: Any, model_type: str) -> str:
-    """One line: the model type, the nearest that transformers knows, where the whole list is
-    (transformers' own error lists every model type, some 11,000 characters)."""
-    known = sorted(getattr(transformers, "CONFIG_MAPPING", {}).keys())
-    near = difflib.get_close_matches(model_type, known, n=3)
-    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-    return (f"transformers {transformers.__version__} does not know model_type {model_type!r}"
-            f"{hint} (all {len(known)}: python -c \"import transformers; "
-            "print(*transformers.CONFIG_MAPPING)\")")  # fmt: skip
-
-
-def _hf_takes_dtype(version: str) -> bool:
-    """transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (the old name warns since)."""
-    parts = version.split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= (4, 56)
-    except (ValueError, IndexError):
-        return True
-
-
 __all__ = [
     "OptionsError",
     "TargetError",
     "Workload",
-    "hf_workload",
     "inspect",
     "inspect_options",
     "meta_copy",
     "offline_dispatch",
     "plan_workload",
     "split_inputs",
-    "read_hf_config",
     "to_meta",
 ]
 

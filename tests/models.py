@@ -227,3 +227,9 @@ if _CHECKOUT not in sys.path:
     sys.path.append(_CHECKOUT)
 
 from benchmarks.conv_case import BasicBlock, ConvBNNet, ResNet  # noqa: E402, F401
+
+
+def gpt_seq_factory(seq: int = 64) -> tuple[nn.Module, tuple[Any, ...]]:
+    """``fxckpt inspect tests/models.py:gpt_seq_factory --max-seq``: a 2-layer GPT (no dropout)
+    and a batch of 2 at ``seq`` tokens."""
+    return GPT(vocab=64, d=32, heads=2, n_layers=2, dropout=None), gpt_inputs(seq=seq)

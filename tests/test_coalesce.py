@@ -315,7 +315,8 @@ def test_a_tensor_later_blocks_read_in_the_backward_has_a_bucket_of_its_own(monk
     import json
 
     import fxckpt.planning.plan_round as plan_round
-    from fxckpt.inspect import hf_workload, inspect_options, plan_workload
+    from fxckpt.inspect import inspect_options, plan_workload
+    from fxckpt.workloads import hf_workload
 
     pytest.importorskip("transformers")
     config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 896,

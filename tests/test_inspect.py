@@ -15,14 +15,8 @@ from models import GPT as LossGPT
 from models import gpt_inputs
 
 import fxckpt
-from fxckpt.inspect import (
-    TargetError,
-    hf_workload,
-    meta_copy,
-    offline_dispatch,
-    read_hf_config,
-    to_meta,
-)
+from fxckpt.inspect import TargetError, meta_copy, offline_dispatch, to_meta
+from fxckpt.workloads import hf_workload, read_hf_config
 
 
 def rows(plans: list[fxckpt.Plan]) -> list[tuple]:

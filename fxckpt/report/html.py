@@ -16,16 +16,18 @@ from fxckpt.planning.plan import Plan
 from fxckpt.report.table import (
     ALARMS,
     COLUMNS,
+    LENGTH_COLUMNS,
     WEIGHT_COLUMNS,
     graph_title,
     human_bytes,
     largest_kept,
+    length_rows,
     row_cells,
     summary_items,
     weight_cells,
     weights_title,
 )
-from fxckpt.sizing import StepFit
+from fxckpt.sizing import LongestFit, StepFit
 from fxckpt.units import option_value
 
 W, H = 1000, 330  # SVG viewBox
@@ -297,9 +299,9 @@ def _weights_table(plan: Plan) -> str:
 
 def render_html(
     plans: Sequence[Plan], *, options: Mapping[str, Any], target: str = "", title: str = "",
-    fit: StepFit | None = None,
+    fit: StepFit | None = None, lengths: Sequence[LongestFit] = (), lengths_title: str = "",
 ) -> str:
-    """The whole page as a string."""
+    """The whole page as a string; ``lengths``: ``--max-seq``'s strategies."""
     heading = title or (f"fxckpt plan: {target}" if target else "fxckpt plan")
     opts = ", ".join(f"{k}={option_value(k, v)}" for k, v in options.items() if v is not None)
     summary = "".join(
@@ -310,6 +312,12 @@ def render_html(
     body = [f"<h1>{escape(heading)}</h1>",
             f'<div class="muted">options: {escape(opts)}</div>',
             f'<h2>summary</h2><table class="summary">{summary}</table>']  # fmt: skip
+    if lengths:
+        head = "".join(f"<th>{escape(c)}</th>" for c in LENGTH_COLUMNS)
+        rows = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>"
+                       for r in length_rows(lengths))  # fmt: skip
+        body.append(f"<h2>{escape(lengths_title)}</h2>"
+                    f'<table class="rows"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
     kept = largest_kept(plans)
     if kept:
         items = "".join(f"<li><b>{escape(human_bytes(a.bytes))}</b> "

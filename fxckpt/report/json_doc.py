@@ -11,7 +11,7 @@ from typing import Any
 
 from fxckpt.planning.plan import Plan
 from fxckpt.report.table import SweepRow, totals
-from fxckpt.sizing import OPTIMIZERS, StepFit
+from fxckpt.sizing import OPTIMIZERS, STRATEGIES, LongestFit, StepFit
 
 VERSION = 1
 TOTAL_KEYS = ("baseline_saved_bytes", "resident_peak_bytes", "offloaded_bytes",
@@ -41,16 +41,29 @@ def _header(options: Mapping[str, Any], target: str) -> dict[str, Any]:
 
 def document(
     plans: Sequence[Plan], options: Mapping[str, Any], *, target: str = "",
-    fit: StepFit | None = None,
+    fit: StepFit | None = None, lengths: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``{"version", "fxckpt_version", "target", "options", "graphs", "totals", "step_peak"}``;
-    ``step_peak`` is ``fit``'s figures (``null`` without a budget)."""
-    return {
+    ``step_peak`` is ``fit``'s figures (``null`` without a budget). ``lengths``: ``--max-seq``'s
+    search (:func:`fit_document`), written as ``fit``."""
+    doc = {
         **_header(options, target),
         "graphs": [p.to_dict() for p in plans],
         "totals": totals_dict(plans),
         "step_peak": None if fit is None else fit.to_dict(),
     }
+    if lengths is not None:
+        doc["fit"] = dict(lengths)
+    return doc
+
+
+def fit_document(fits: Sequence[LongestFit], *, limit_bytes: int, device_memory_bytes: int,
+                 quantum: int, batch: int | None) -> dict[str, Any]:
+    """``fit``: each strategy's longest sequence within ``limit_bytes`` (the card's usable
+    memory), searched in steps of ``quantum`` tokens."""
+    return {"device_memory_bytes": device_memory_bytes, "limit_bytes": limit_bytes,
+            "quantum": quantum, "batch": batch,
+            "strategies": [f.to_dict() for f in fits]}  # fmt: skip
 
 
 def sweep_document(
@@ -174,6 +187,27 @@ STEP_PEAK_SCHEMA: dict[str, Any] = {
     },
 }
 
+FIT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["device_memory_bytes", "limit_bytes", "quantum", "strategies"],
+    "properties": {
+        "device_memory_bytes": _INT, "limit_bytes": _INT, "quantum": _INT,
+        "batch": {"type": ["integer", "null"]},
+        "strategies": {"type": "array", "items": {
+            "type": "object",
+            "required": ["name", "max_seq", "predicted_step_ms"],
+            "properties": {
+                "name": {"enum": list(STRATEGIES)},
+                "max_seq": {"type": ["integer", "null"]},
+                "predicted_step_ms": {"type": ["number", "null"]},
+                "total_bytes": {"type": ["integer", "null"]},
+                "capped": {"type": "boolean"},
+                "probed": {"type": "array", "items": _INT},
+            },
+        }},
+    },
+}  # fmt: skip
+
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "fxckpt inspect --format json",
@@ -187,5 +221,6 @@ SCHEMA: dict[str, Any] = {
         "graphs": {"type": "array", "items": PLAN_SCHEMA},
         "totals": TOTALS_SCHEMA,
         "step_peak": STEP_PEAK_SCHEMA,
+        "fit": FIT_SCHEMA,
     },
 }

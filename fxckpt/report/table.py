@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from fxckpt.planning.plan import Plan, PlannedActivation, PlannedWeight, describe_assumptions
-from fxckpt.sizing import StepFit, top_step
+from fxckpt.sizing import LongestFit, StepFit, top_step
 from fxckpt.units import format_bytes as human_bytes
 
 COLUMNS = ("module", "op", "shape", "dtype", "size", "decision", "reason")
@@ -320,6 +320,39 @@ def print_sweep(rows: Sequence[SweepRow], out: TextIO, *, heading: str = "") -> 
         cells = r.cells(card)
         bad = cells[len(SWEEP_COLUMNS) - 1] == "no" or (card and cells[-1].startswith("no"))
         table.add_row(*cells, style="red" if bad else "")
+    _console(out).print(table)
+
+
+LENGTH_COLUMNS = ("strategy", "longest sequence", "step peak there", "predicted step time", "plans")
+
+
+def length_rows(fits: Sequence[LongestFit]) -> list[tuple[str, ...]]:
+    """One row per strategy of ``--max-seq``."""
+    rows: list[tuple[str, ...]] = []
+    for f in fits:
+        if f.max_seq is None:
+            rows.append((f.name, "none fits", "-", "-", str(len(f.probes))))
+            continue
+        longest = f"{f.max_seq}" + (" (the search's limit)" if f.capped else "")
+        peak = human_bytes(f.total_bytes) if f.total_bytes is not None else "-"
+        ms = human_ms(f.predicted_step_ms) if f.predicted_step_ms is not None else "-"
+        rows.append((f.name, longest, peak, ms, str(len(f.probes))))
+    return rows
+
+
+def print_lengths(fits: Sequence[LongestFit], out: TextIO, *, heading: str) -> None:
+    """``--max-seq``'s table: each strategy's longest sequence and its step there."""
+    try:
+        from rich import box
+        from rich.table import Table
+    except ImportError:
+        out.write(_plain(LENGTH_COLUMNS, length_rows(fits), heading))
+        return
+    table = Table(title=heading, box=box.SIMPLE_HEAD, title_justify="left")
+    for col in LENGTH_COLUMNS:
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for row in length_rows(fits):
+        table.add_row(*row)
     _console(out).print(table)
 
 

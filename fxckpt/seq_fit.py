@@ -1,0 +1,167 @@
+"""The longest sequence that fits a card: ``fxckpt inspect --max-seq``.
+
+For each strategy (plain ``torch.compile``, per-block checkpointing and fxckpt's planner at the
+card's budget) the step is planned at a few sequence lengths, and the longest length whose
+predicted step peak fits the card's usable memory (``memory_budget="auto"`` for the card: its
+capacity less fxckpt's margin) is found by :func:`longest_fit`. The model is traced by dynamo
+once, with the length as a symbol (:func:`plan_lengths`); each length costs AOTAutograd's trace
+and the partitioner.
+
+- ``none``: the step as plain ``torch.compile`` partitions it (min-cut alone; a budget too large
+  to bind keeps the step's account).
+- ``full_checkpointing``: every block recomputed in the backward (``segment_stride=1``), nothing
+  offloaded.
+- ``fxckpt``: fits where fxckpt's lowest plan fits (the planner's floor: everything it may
+  recompute or offload); its step time is that of the plan at the card's budget at that length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fxckpt import _torch_compat as compat
+from fxckpt._torch_compat import pytree
+from fxckpt.backend import Backend
+from fxckpt.inspect import (
+    Progress,
+    TargetError,
+    Workload,
+    collected_plans,
+    inspect_options,
+    offline_step,
+    run_step,
+    to_meta,
+)
+from fxckpt.options import Options
+from fxckpt.planning.plan import Plan
+from fxckpt.runtime import stats
+from fxckpt.sizing import STRATEGIES, LongestFit, Probe, longest_fit, seq_quantum, top_step
+
+PlanAt = Callable[[Options, int], list[Plan]]
+
+
+@contextlib.contextmanager
+def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterator[PlanAt]:
+    """``plan_at(options, length)``: plans of ``work``'s step at any sequence length, with the
+    model traced by dynamo once.
+
+    ``work.inputs_at(length)`` gives the step's inputs at a length. The dimensions that differ
+    between two lengths are marked dynamic, so dynamo traces the model once with a symbolic
+    length; each graph it captures is then compiled anew (AOTAutograd's trace and fxckpt's
+    partitioner) for each ``(options, length)``, from the step's inputs at that length. Where
+    the model specialises on its length, dynamo traces it again at the new length (slower, and
+    said on the progress line).
+    """
+    if work.inputs_at is None:
+        raise TargetError("planning at other lengths needs the step's inputs at any length "
+                          "(--hf-config, or a factory that takes seq=...)")  # fmt: skip
+    say = progress or (lambda _msg: None)
+    inputs_at = work.inputs_at
+    now: list[tuple[Options, int]] = []
+    traces: list[int] = []
+
+    def capture(gm: Any, example_inputs: Any) -> Any:
+        traces.append(now[-1][1])
+        if len(traces) > 1 and traces[-1] != traces[0]:
+            say(f"dynamo traced the model again at length {traces[-1]}: it specialises on "
+                "its length")  # fmt: skip
+        held: dict[tuple[int, int], Any] = {}
+
+        def run(*args: Any) -> Any:
+            options, length = now[-1]
+            key = (id(options), length)
+            if key not in held:
+                held.clear()  # one compile at a time: a large model's graphs are not kept
+                held[key] = Backend(options, offline=True)(gm, list(args))
+            return held[key](*args)
+
+        return run
+
+    with offline_step(work, say) as (module, model, optimizer):
+        compiled = torch.compile(module, backend=capture)
+        dims = _length_dims(inputs_at)
+
+        def plan_at(options: Options, length: int) -> list[Plan]:
+            args, kwargs = to_meta(inputs_at(length))
+            for leaf, marked in zip(pytree.tree_leaves((args, kwargs)), dims, strict=True):
+                for dim in marked:
+                    compat.mark_dynamic(leaf, dim)
+            now.append((options, length))
+            stats.reset()
+            run_step(compiled, args, kwargs, say)
+            return collected_plans(model, optimizer)
+
+        yield plan_at
+
+
+def _length_dims(inputs_at: Callable[[int], Any]) -> list[tuple[int, ...]]:
+    """Per input leaf, the dimensions that change with the length (compared at two lengths)."""
+    a, b = (pytree.tree_leaves(inputs_at(n)) for n in (64, 128))
+    if len(a) != len(b):
+        raise TargetError("the step's inputs change structure with the length: they must only "
+                          "change size")  # fmt: skip
+    dims = [tuple(d for d, (m, n) in enumerate(zip(x.shape, y.shape, strict=True)) if m != n)
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim()
+            else () for x, y in zip(a, b, strict=True)]  # fmt: skip
+    if not any(dims):
+        raise TargetError("no input of the step changes size with the length: is seq passed on "
+                          "to the inputs?")  # fmt: skip
+    return dims
+
+
+# A byte budget that never binds: the plan changes nothing, and the step's account is kept.
+UNBOUNDED = 2**60
+
+
+def strategy_options(name: str, limit: int, base: dict[str, Any]) -> tuple[Options, Options | None]:
+    """The options a strategy's search probes with, and (fxckpt only) those of its plan at the
+    card's budget, from which its step time is read."""
+    if name == "none":
+        return inspect_options(**{**base, "memory_budget": UNBOUNDED, "segment_stride": 0}), None
+    if name == "full_checkpointing":
+        return inspect_options(**{**base, "memory_budget": UNBOUNDED, "segment_stride": 1,
+                                  "offload": "never"}), None  # fmt: skip
+    # The lowest plan: a budget of one byte runs it (offline, on_infeasible is "warn").
+    lowest = inspect_options(**{**base, "memory_budget": 1})
+    return lowest, inspect_options(**{**base, "memory_budget": limit})
+
+
+def _probe(plans: Sequence[Plan], length: int, limit: int) -> Probe:
+    top = top_step(plans) or {}
+    total = int(top.get("total_bytes", 0))
+    step_ms = sum(float(p.timeline["predicted_step_ms"]) for p in plans
+                  if p.timeline and "predicted_step_ms" in p.timeline)  # fmt: skip
+    return Probe(length, total, int(top.get("start_bytes", 0)), step_ms, total <= limit)
+
+
+def longest_sequences(
+    plan_at: PlanAt, *, limit: int, seq: int, ceiling: int, base: dict[str, Any], say: Progress
+) -> list[LongestFit]:
+    """Each strategy's longest sequence within ``limit`` bytes, searched from ``seq`` in steps
+    of :func:`seq_quantum` up to ``ceiling``."""
+    quantum = seq_quantum(seq)
+    out: list[LongestFit] = []
+    for name in STRATEGIES:
+        search, at_card = strategy_options(name, limit, base)
+
+        def probe(length: int, search: Options = search, name: str = name) -> Probe:
+            say(f"{name}: planning at {length} tokens")
+            return _probe(plan_at(search, length), length, limit)
+
+        def said(message: str, name: str = name) -> None:
+            say(f"{name}: {message}")
+
+        best, probes, capped = longest_fit(
+            probe, limit=limit, start=seq, quantum=quantum, ceiling=ceiling, say=said
+        )
+        if best is not None and at_card is not None:
+            say(f"{name}: the plan at the card's budget, {best.length} tokens")
+            best = _probe(plan_at(at_card, best.length), best.length, limit)
+        out.append(LongestFit(
+            name, best.length if best else None, best.step_ms if best else None,
+            best.total_bytes if best else None, capped, tuple(probes)))  # fmt: skip
+    return out
