@@ -141,10 +141,12 @@ def _probe(plans: Sequence[Plan], length: int, limit: int) -> Probe:
 def longest_sequences(
     plan_at: PlanAt, *, limit: int, seq: int, ceiling: int, base: dict[str, Any], say: Progress
 ) -> list[LongestFit]:
-    """Each strategy's longest sequence within ``limit`` bytes, searched from ``seq`` in steps
-    of :func:`seq_quantum` up to ``ceiling``."""
+    """Each strategy's longest sequence within ``limit`` bytes, searched in steps of
+    :func:`seq_quantum` up to ``ceiling``: the first from ``seq``, each next from the longest
+    the one before found (each strategy holds less than the one before it)."""
     quantum = seq_quantum(seq)
     out: list[LongestFit] = []
+    start = seq
     for name in STRATEGIES:
         search, at_card = strategy_options(name, limit, base)
 
@@ -156,8 +158,9 @@ def longest_sequences(
             say(f"{name}: {message}")
 
         best, probes, capped = longest_fit(
-            probe, limit=limit, start=seq, quantum=quantum, ceiling=ceiling, say=said
+            probe, limit=limit, start=start, quantum=quantum, ceiling=ceiling, say=said
         )
+        start = max(start, best.length) if best is not None else start
         if best is not None and at_card is not None:
             say(f"{name}: the plan at the card's budget, {best.length} tokens")
             best = _probe(plan_at(at_card, best.length), best.length, limit)
