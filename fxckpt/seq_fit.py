@@ -11,8 +11,10 @@ and the partitioner.
   to bind keeps the step's account).
 - ``full_checkpointing``: every block recomputed in the backward (``segment_stride=1``), nothing
   offloaded.
-- ``fxckpt``: fits where fxckpt's lowest plan fits (the planner's floor: everything it may
-  recompute or offload); its step time is that of the plan at the card's budget at that length.
+- ``fxckpt``: fits where fxckpt's plan that recomputes every block and offloads every saved
+  tensor fits (a hair above the planner's lowest plan, at less cost: the lowest plan is
+  planned twice, once to learn it cannot meet the budget); its step time is that of the plan
+  at the card's budget at that length, which picks the fastest way to fit there.
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def strategy_options(name: str, limit: int, base: dict[str, Any]) -> tuple[Optio
     if name == "full_checkpointing":
         return inspect_options(**{**base, "memory_budget": UNBOUNDED, "segment_stride": 1,
                                   "offload": "never"}), None  # fmt: skip
-    # The lowest plan: a budget of one byte runs it (offline, on_infeasible is "warn").
-    lowest = inspect_options(**{**base, "memory_budget": 1})
-    return lowest, inspect_options(**{**base, "memory_budget": limit})
+    thrifty = inspect_options(**{**base, "memory_budget": UNBOUNDED, "segment_stride": 1,
+                                 "offload": "all"})  # fmt: skip
+    return thrifty, inspect_options(**{**base, "memory_budget": limit})
 
 
 def _probe(plans: Sequence[Plan], length: int, limit: int) -> Probe:
