@@ -344,6 +344,17 @@ def size_hint(value: Any, fallback: int) -> int:
     return int(hint) if hint is not None else fallback
 
 
+def size_expr(size: Any) -> Any:
+    """A size as sympy sees it: a symbolic size's expression, a plain int as itself."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def static_fake_mode() -> Any:
+    """A fake mode with no shape environment: every size it makes is a plain int."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 # Re-planning a graph at run time (fxckpt.adapt) re-runs its compile outside dynamo.
 def fake_inputs(example_inputs: Any) -> tuple[Any, list[Any]] | None:
     """The fake mode of the backend compile running now, and fake copies of its example inputs

@@ -21,24 +21,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxckpt import _torch_compat as compat
 from fxckpt._torch_compat import pytree
-from fxckpt.backend import Backend
+from fxckpt.backend import Backend, FxckptPartitioner, _boxed_nop
 from fxckpt.inspect import (
     Progress,
     TargetError,
     Workload,
     collected_plans,
     inspect_options,
+    offline_dispatch,
     offline_step,
     run_step,
     to_meta,
 )
+from fxckpt.meter import held_on_device
 from fxckpt.options import Options
+from fxckpt.passes.rounds import clone_joint
+from fxckpt.planning import step_budget
 from fxckpt.planning.plan import Plan
 from fxckpt.runtime import stats
 from fxckpt.sizing import STRATEGIES, LongestFit, Probe, longest_fit, seq_quantum, top_step
@@ -53,9 +59,12 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
 
     ``work.inputs_at(length)`` gives the step's inputs at a length. The dimensions that differ
     between two lengths are marked dynamic, so dynamo traces the model once with a symbolic
-    length; each graph it captures is then compiled anew (AOTAutograd's trace and fxckpt's
-    partitioner) for each ``(options, length)``, from the step's inputs at that length. Where
-    the model specialises on its length, dynamo traces it again at the new length (slower, and
+    length, and AOTAutograd traces each graph's joint forward and backward once, symbolic too
+    (:func:`symbolic_joint`). Each ``(options, length)`` then sets the length in a copy of the
+    joint (:func:`at_length`) and runs fxckpt's partitioner on it, under the step's budget as a
+    compile would. Where a graph cannot be set so (a size that no input's length gives), it is
+    compiled at that length by AOTAutograd instead, as :func:`fxckpt.inspect.plan_workload`
+    does; where the model specialises on its length, dynamo traces it again (slower; both are
     said on the progress line).
     """
     if work.inputs_at is None:
@@ -71,6 +80,7 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
         if len(traces) > 1 and traces[-1] != traces[0]:
             say(f"dynamo traced the model again at length {traces[-1]}: it specialises on "
                 "its length")  # fmt: skip
+        joint = symbolic_joint(gm, example_inputs)
         held: dict[tuple[int, int], Any] = {}
 
         def run(*args: Any) -> Any:
@@ -78,7 +88,16 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
             key = (id(options), length)
             if key not in held:
                 held.clear()  # one compile at a time: a large model's graphs are not kept
-                held[key] = Backend(options, offline=True)(gm, list(args))
+                set_at = None
+                if joint is not None:
+                    try:
+                        set_at = at_length(joint, example_inputs, args)
+                    except (TypeError, ValueError, RuntimeError) as e:
+                        say(f"a graph cannot be set to {length} tokens ({e}); tracing it there")
+                if set_at is None:
+                    held[key] = Backend(options, offline=True)(gm, list(args))
+                else:
+                    held[key] = _partition_at(gm, args, options, set_at)
             return held[key](*args)
 
         return run
@@ -98,6 +117,117 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
             return collected_plans(model, optimizer)
 
         yield plan_at
+
+
+@dataclass
+class Joint:
+    """A graph's joint forward and backward as AOTAutograd traced it, and how it was cut."""
+
+    gm: Any
+    primals: int  # how many of its inputs are the forward's (the rest: the backward's tangents)
+    kwargs: dict[str, Any]  # what AOTAutograd passed the partitioner beside the graph
+
+
+class _Traced(Exception):
+    """Raised from the partitioner once the joint graph is kept: nothing else is needed."""
+
+
+def symbolic_joint(gm: Any, example_inputs: Sequence[Any]) -> Joint | None:
+    """The joint graph AOTAutograd traces from dynamo's graph ``gm`` (at dynamo's symbolic
+    sizes), as :func:`fxckpt.backend.compile_partitioned` traces it; None where it traces no
+    backward."""
+    kept: list[Joint] = []
+
+    def keep(joint: Any, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        kept.append(Joint(clone_joint(joint), len(joint_inputs[0]), kwargs))
+        raise _Traced
+
+    trace = compat.aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+                                inference_compiler=_boxed_nop, partition_fn=keep,
+                                keep_inference_input_mutations=True)  # fmt: skip
+    try:
+        trace(gm, example_inputs)
+    except Exception as e:  # dynamo may wrap what the partitioner raised
+        if not kept:
+            if isinstance(e, _Traced):
+                return None
+            raise
+    return kept[0] if kept else None
+
+
+def _size_at(size: Any, values: dict[Any, int]) -> int:
+    expr = compat.size_expr(size)
+    if isinstance(expr, int):
+        return expr
+    value = expr.xreplace(values)
+    if not isinstance(value, int) and not getattr(value, "is_number", False):
+        raise ValueError(f"the size {expr} does not follow from the inputs' lengths")
+    return int(value)
+
+
+def at_length(joint: Joint, example_inputs: Sequence[Any], args: Sequence[Any]) -> SetJoint:
+    """A copy of ``joint`` at the sizes of ``args`` (this call's inputs, where dynamo's graph was
+    traced with ``example_inputs``): each size symbol takes the size it stands for in ``args``,
+    the graph's inputs become fakes of plain sizes, every node's value is propagated again, and
+    sizes the graph computed from the symbols become constants."""
+    values: dict[Any, int] = {}
+    for ex, got in zip(example_inputs, args, strict=True):
+        pairs = zip(ex.shape, got.shape, strict=True) if isinstance(ex, torch.Tensor) else [(ex, got)]
+        for size, value in pairs:
+            expr = compat.size_expr(size)
+            if getattr(expr, "is_Symbol", False):
+                values[expr] = int(value)
+    gm = clone_joint(joint.gm)
+    mode = compat.static_fake_mode()
+    inputs: list[Any] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor):
+            inputs.append(_size_at(val, values))
+            continue
+        with mode:
+            inputs.append(torch.empty_strided([_size_at(d, values) for d in val.shape],
+                                              [_size_at(d, values) for d in val.stride()],
+                                              dtype=val.dtype, device=val.device))  # fmt: skip
+    with offline_dispatch():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    for node in reversed(list(gm.graph.nodes)):  # sizes become constants
+        val = node.meta.get("val")
+        if node.op == "output" or not isinstance(val, (int, float, bool)):
+            continue
+        for user in list(node.users):
+            user.replace_input_with(node, val)
+        if node.op != "placeholder":
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return SetJoint(gm, [inputs[: joint.primals], inputs[joint.primals :]], joint.kwargs)
+
+
+@dataclass
+class SetJoint:
+    """A joint graph at one length, with its inputs (forward's, backward's) as fakes."""
+
+    gm: Any
+    inputs: list[list[Any]]
+    kwargs: dict[str, Any]
+
+
+def _partition_at(gm: Any, args: Sequence[Any], options: Options, joint: SetJoint) -> Any:
+    """fxckpt's partitioner on ``joint`` as a compile of dynamo's graph ``gm`` would run it
+    (under the step's budget, as :func:`fxckpt.backend.compile_graph`): the plan is recorded;
+    the step then runs ``gm`` itself on the meta inputs."""
+
+    def partition(_gm: Any, _inputs: Any) -> Any:
+        ticket = step_budget.current()
+        partitioner = FxckptPartitioner(
+            options, step_token=ticket.cache_token() if ticket is not None else "")
+        partitioner(clone_joint(joint.gm), joint.inputs, **dict(joint.kwargs))
+        return gm.forward
+
+    if not step_budget.applies(options):
+        return partition(gm, args)
+    step = step_budget.step_for(options, held=held_on_device)
+    return step.compile(step_budget.graph_key(), gm, list(args), partition)
 
 
 def _length_dims(inputs_at: Callable[[int], Any]) -> list[tuple[int, ...]]:

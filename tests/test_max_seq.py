@@ -87,3 +87,28 @@ def test_the_length_said_to_fit_fits_and_a_quarter_more_does_not(tmp_path: Path)
     assert _measured_peak(longest, memory_budget=limit) <= limit
     with pytest.raises(fxckpt.BudgetError):
         _measured_peak(int(longest * 1.25), memory_budget=limit)
+
+
+def _figures(plans: list[fxckpt.Plan]) -> tuple[object, ...]:
+    rows = sorted((a.bytes, a.decision.kind, tuple(a.shape)) for p in plans for a in p.activations)
+    return (rows, [p.step["total_bytes"] for p in plans if p.step])
+
+
+def test_a_length_set_in_the_traced_joint_plans_as_a_trace_at_that_length() -> None:
+    from fxckpt.inspect import inspect_options, plan_workload
+    from fxckpt.seq_fit import UNBOUNDED, plan_lengths
+    from fxckpt.workloads import load_factory
+
+    work = load_factory("tests/models.py:gpt_seq_factory")
+    plain = inspect_options(memory_budget=UNBOUNDED)
+    with plan_lengths(work) as plan_at:
+        plan_at(plain, 64)  # traced here, at 64 tokens with the length a symbol
+        set_plain = plan_at(plain, 160)
+        total = set_plain[0].step["total_bytes"]
+        binding = inspect_options(memory_budget=int(total * 0.8))
+        set_binding = plan_at(binding, 160)
+    model, inputs = gpt_seq_factory(seq=160)
+    at_160 = fxckpt.inspect.Workload(model, inputs)
+    assert _figures(set_plain) == _figures(plan_workload(at_160, plain))
+    assert _figures(set_binding) == _figures(plan_workload(at_160, binding))
+    assert any(a.decision.kind != "keep" for p in set_binding for a in p.activations)
