@@ -349,6 +349,11 @@ def size_expr(size: Any) -> Any:
     return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The counter torch bumps at each in-place write to ``t``'s data (autograd's check)."""
+    return int(t._version)
+
+
 def static_fake_mode() -> Any:
     """A fake mode with no shape environment: every size it makes is a plain int."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 import torch
 
 from fxckpt import _cuda, _link
+from fxckpt import _torch_compat as compat
 from fxckpt.errors import RuntimeCopyError
 from fxckpt.runtime import copy_meter, host_marks, pool, profiles, stats
 from fxckpt.runtime.engine import Part, Transfer
@@ -168,12 +169,12 @@ def resident_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
     dev = torch.device(device)
     key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), str(dev))
     kept = _RESIDENT.get(key)
-    if kept is not None and kept[0] == w._version:
+    if kept is not None and kept[0] == compat.tensor_version(w):
         return kept[1]
     out = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=dev)
     _copy(out, w, "h2d")
     stats.add("weight_h2d_bytes", w.nbytes)
-    _RESIDENT[key] = (w._version, out)
+    _RESIDENT[key] = (compat.tensor_version(w), out)
     return out
 
 
