@@ -272,6 +272,7 @@ def _run_max_seq(args: argparse.Namespace, work: Any, flags: dict[str, Any], opt
     from fxckpt import sizing
     from fxckpt.report import json_doc, table
     from fxckpt.seq_fit import longest_sequences, plan_lengths
+    from fxckpt.units import format_bytes
 
     limit = flags["memory_budget"]
     if not isinstance(limit, int):
@@ -291,8 +292,8 @@ def _run_max_seq(args: argparse.Namespace, work: Any, flags: dict[str, Any], opt
     progress.done()
     fit = sizing.step_fit(plans, optimizer=args.optimizer, device_memory_bytes=device)
     options = opts.to_dict()
-    title = (f"longest sequence whose step fits {sizing.format_bytes(limit)} (the usable part of "
-             f"{sizing.format_bytes(device)})")  # fmt: skip
+    title = (f"longest sequence whose step fits {format_bytes(limit)} (the usable part of "
+             f"{format_bytes(device)})")  # fmt: skip
     lengths = json_doc.fit_document(fits, limit_bytes=limit, device_memory_bytes=device,
                                     quantum=sizing.seq_quantum(seq),
                                     batch=args.batch if args.hf_config else None)  # fmt: skip

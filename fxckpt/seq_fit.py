@@ -72,7 +72,7 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
                           "(--hf-config, or a factory that takes seq=...)")  # fmt: skip
     say = progress or (lambda _msg: None)
     inputs_at = work.inputs_at
-    now: list[tuple[Options, int]] = []
+    now: list[tuple[Options, int]] = []  # the (options, length) being planned: one at a time
     traces: list[int] = []
 
     def capture(gm: Any, example_inputs: Any) -> Any:
@@ -111,7 +111,7 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
             for leaf, marked in zip(pytree.tree_leaves((args, kwargs)), dims, strict=True):
                 for dim in marked:
                     compat.mark_dynamic(leaf, dim)
-            now.append((options, length))
+            now[:] = [(options, length)]
             stats.reset()
             run_step(compiled, args, kwargs, say)
             return collected_plans(model, optimizer)
