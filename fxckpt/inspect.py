@@ -105,28 +105,20 @@ def _gpu_sdpa(
     return efficient(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
-_UNFLATTEN = torch.Tensor.unflatten
-
-
-def _unflatten(self: torch.Tensor, dim: Any, sizes: Any) -> torch.Tensor:
-    """``Tensor.unflatten`` as the op. Under the ``torch.device("meta")`` mode planning runs
-    in, the Python method's call of its base class is a graph break for dynamo (diffusers'
-    attention calls it in every block); the op traces."""
-    return torch.unflatten(self, dim, sizes)
-
-
 @contextlib.contextmanager
 def offline_dispatch() -> Iterator[None]:
-    """While planning on meta tensors: gradients for composite ops, GPU attention kernels, and
-    ``Tensor.unflatten`` without a graph break."""
+    """While planning on meta tensors: gradients for composite ops, and GPU attention kernels.
+
+    The step runs on meta inputs with no ``torch.device("meta")`` mode: dynamo would trace that
+    mode's ``__torch_function__`` at every torch call (a third of the trace of a large model)
+    and cannot trace a method's ``super()`` call under it. Models make their tensors on their
+    inputs' device, as they must to train on a GPU."""
     F.scaled_dot_product_attention = _gpu_sdpa
-    torch.Tensor.unflatten = _unflatten  # type: ignore[method-assign,assignment]
     try:
         with compat.composite_ops_decompose_on_meta():
             yield
     finally:
         F.scaled_dot_product_attention = _SDPA
-        torch.Tensor.unflatten = _UNFLATTEN  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +255,7 @@ def offline_step(work: Workload, say: Progress) -> Iterator[tuple[_Step, nn.Modu
 def run_step(compiled: Any, args: Any, kwargs: Any, say: Progress) -> None:
     """One call of the compiled step on meta tensors; fxckpt's own errors come out unwrapped."""
     try:
-        with offline_dispatch(), _report_steps(say), torch.device("meta"):
+        with offline_dispatch(), _report_steps(say):
             compiled(*args, **kwargs)
     except compat.backend_failure() as e:
         inner = getattr(e, "inner_exception", None)

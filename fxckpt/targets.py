@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,9 @@ def block_figures(model: nn.Module, inputs: tuple[Any, ...], rates: Rates, *,
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
     compat.reset_dynamo()
     try:
-        with _offline() if meta else contextlib.nullcontext():
+        from fxckpt.inspect import offline_dispatch
+
+        with offline_dispatch() if meta else contextlib.nullcontext():
             torch.compile(model, backend=backend, dynamic=False)(*inputs)
     finally:
         compat.reset_dynamo()
@@ -156,14 +158,6 @@ def block_figures(model: nn.Module, inputs: tuple[Any, ...], rates: Rates, *,
                            "to differentiate (one graph, no graph break before it)")
     n = got["blocks"]
     return BlockFigures(int(n), got["saved"] / n, got["fw"] / n, got["bw"] / n)
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    from fxckpt.inspect import offline_dispatch
-
-    with offline_dispatch(), torch.device("meta"):
-        yield
 
 
 @dataclass(frozen=True)
