@@ -51,6 +51,9 @@ from fxckpt.sizing import STRATEGIES, LongestFit, Probe, longest_fit, seq_quantu
 
 PlanAt = Callable[[Options, int], list[Plan]]
 
+# How many lengths' joint graphs a graph keeps set (each as large as the graph).
+_KEPT_LENGTHS = 3
+
 
 @contextlib.contextmanager
 def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterator[PlanAt]:
@@ -82,18 +85,24 @@ def plan_lengths(work: Workload, *, progress: Progress | None = None) -> Iterato
                 "its length")  # fmt: skip
         joint = symbolic_joint(gm, example_inputs)
         held: dict[tuple[int, int], Any] = {}
+        # The joint at the last few lengths: strategies plan at each other's lengths (the
+        # next starts where the one before ended, and fxckpt's time is read where it fits).
+        set_joints: dict[int, SetJoint | None] = {}
 
         def run(*args: Any) -> Any:
             options, length = now[-1]
             key = (id(options), length)
             if key not in held:
                 held.clear()  # one compile at a time: a large model's graphs are not kept
-                set_at = None
-                if joint is not None:
+                if joint is not None and length not in set_joints:
+                    while len(set_joints) >= _KEPT_LENGTHS:
+                        del set_joints[next(iter(set_joints))]
                     try:
-                        set_at = at_length(joint, example_inputs, args)
+                        set_joints[length] = at_length(joint, example_inputs, args)
                     except (TypeError, ValueError, RuntimeError) as e:
+                        set_joints[length] = None
                         say(f"a graph cannot be set to {length} tokens ({e}); tracing it there")
+                set_at = set_joints.get(length)
                 if set_at is None:
                     held[key] = Backend(options, offline=True)(gm, list(args))
                 else:
