@@ -4,8 +4,9 @@ For each strategy (plain ``torch.compile``, per-block checkpointing and fxckpt's
 card's budget) the step is planned at a few sequence lengths, and the longest length whose
 predicted step peak fits the card's usable memory (``memory_budget="auto"`` for the card: its
 capacity less fxckpt's margin) is found by :func:`longest_fit`. The model is traced by dynamo
-once, with the length as a symbol (:func:`plan_lengths`); each length costs AOTAutograd's trace
-and the partitioner.
+and AOTAutograd once, with the length as a symbol (:func:`plan_lengths`); each length costs
+setting the sizes in the joint graph and the partitioner, and two processes search at once
+(:func:`in_two`).
 
 - ``none``: the step as plain ``torch.compile`` partitions it (min-cut alone; a budget too large
   to bind keeps the step's account).
@@ -20,9 +21,13 @@ and the partitioner.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
+import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -280,32 +285,98 @@ def _probe(plans: Sequence[Plan], length: int, limit: int) -> Probe:
 
 
 def longest_sequences(
-    plan_at: PlanAt, *, limit: int, seq: int, ceiling: int, base: dict[str, Any], say: Progress
+    plan_at: PlanAt, *, limit: int, seq: int, ceiling: int, base: dict[str, Any], say: Progress,
+    fork: bool | None = None,
 ) -> list[LongestFit]:
     """Each strategy's longest sequence within ``limit`` bytes, searched in steps of
-    :func:`seq_quantum` up to ``ceiling``: the first from ``seq``, each next from the longest
-    the one before found (each strategy holds less than the one before it)."""
+    :func:`seq_quantum` up to ``ceiling``.
+
+    With ``fork`` (by default, where the process may use two or more cores and can fork), a
+    forked copy of this process searches plain compile and then per-block checkpointing while
+    this one searches fxckpt: the copy shares the traced joint graphs instead of tracing them
+    again, and the two searches take about as long. Otherwise one strategy after the other, each
+    next from the longest the one before found (each holds less than the one before it)."""
     quantum = seq_quantum(seq)
-    out: list[LongestFit] = []
-    start = seq
-    for name in STRATEGIES:
-        search, at_card = strategy_options(name, limit, base)
 
-        def probe(length: int, search: Options = search, name: str = name) -> Probe:
-            say(f"{name}: planning at {length} tokens")
-            return _probe(plan_at(search, length), length, limit)
+    def search(names: Sequence[str], start: int) -> list[LongestFit]:
+        out = []
+        for name in names:
+            out.append(_longest(name, plan_at, limit=limit, start=start, quantum=quantum,
+                                ceiling=ceiling, base=base, say=say))  # fmt: skip
+            start = max(start, out[-1].max_seq or start)
+        return out
 
-        def said(message: str, name: str = name) -> None:
-            say(f"{name}: {message}")
+    if fork is None:
+        fork = hasattr(os, "fork") and _cores() >= 2
+    if not fork:
+        return search(STRATEGIES, seq)
+    there, here = STRATEGIES[:2], STRATEGIES[2:]
+    return in_two(lambda: search(there, seq), lambda: search(here, seq), say=say)
 
-        best, probes, capped = longest_fit(
-            probe, limit=limit, start=start, quantum=quantum, ceiling=ceiling, say=said
-        )
-        start = max(start, best.length) if best is not None else start
-        if best is not None and at_card is not None:
-            say(f"{name}: the plan at the card's budget, {best.length} tokens")
-            best = _probe(plan_at(at_card, best.length), best.length, limit)
-        out.append(LongestFit(
-            name, best.length if best else None, best.step_ms if best else None,
-            best.total_bytes if best else None, capped, tuple(probes)))  # fmt: skip
-    return out
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _longest(name: str, plan_at: PlanAt, *, limit: int, start: int, quantum: int, ceiling: int,
+             base: dict[str, Any], say: Progress) -> LongestFit:
+    search, at_card = strategy_options(name, limit, base)
+
+    def probe(length: int) -> Probe:
+        say(f"{name}: planning at {length} tokens")
+        return _probe(plan_at(search, length), length, limit)
+
+    best, probes, capped = longest_fit(probe, limit=limit, start=start, quantum=quantum,
+                                       ceiling=ceiling, say=lambda m: say(f"{name}: {m}"))  # fmt: skip
+    if best is not None and at_card is not None:
+        say(f"{name}: the plan at the card's budget, {best.length} tokens")
+        best = _probe(plan_at(at_card, best.length), best.length, limit)
+    return LongestFit(name, best.length if best else None, best.step_ms if best else None,
+                      best.total_bytes if best else None, capped, tuple(probes))  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+def in_two(there: Callable[[], list[T]], here: Callable[[], list[T]], *, say: Progress) -> list[T]:
+    """``there() + here()``, with ``there`` run in a forked copy of this process while this one
+    runs ``here``. Where the copy fails (or dies), ``there`` runs again here, after ``here``,
+    so that its error, if any, is raised as it would be without the fork."""
+    read, write = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the copy writes what this process had not yet written, again
+    pid = os.fork()
+    if pid == 0:  # the copy: its answer down the pipe, its output flushed, and out without the
+        # parent's exit hooks
+        code, payload = 1, b""
+        try:
+            os.close(read)
+            payload, code = pickle.dumps(there()), 0
+        except BaseException as e:  # noqa: BLE001 (the parent runs it again and raises)
+            payload = pickle.dumps(f"{type(e).__name__}: {e}")
+        finally:
+            with contextlib.suppress(BaseException), os.fdopen(write, "wb") as sink:
+                sink.write(payload)
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+            os._exit(code)
+    os.close(write)
+    try:
+        mine = here()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.close(read)
+        os.waitpid(pid, 0)
+        raise
+    with os.fdopen(read, "rb") as source:
+        data = source.read()
+    _, status = os.waitpid(pid, 0)
+    theirs = pickle.loads(data) if data and os.waitstatus_to_exitcode(status) == 0 else None
+    if not isinstance(theirs, list):
+        why = pickle.loads(data) if data else f"exit status {os.waitstatus_to_exitcode(status)}"
+        say(f"the forked search failed ({why}); searching again here")
+        theirs = there()
+    return theirs + mine

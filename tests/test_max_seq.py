@@ -4,6 +4,11 @@ on the CPU's allocator, which reads no plan."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +117,108 @@ def test_a_length_set_in_the_traced_joint_plans_as_a_trace_at_that_length() -> N
     assert _figures(set_plain) == _figures(plan_workload(at_160, plain))
     assert _figures(set_binding) == _figures(plan_workload(at_160, binding))
     assert any(a.decision.kind != "keep" for p in set_binding for a in p.activations)
+
+
+def test_forked_strategies_find_what_one_after_the_other_finds() -> None:
+    from fxckpt.seq_fit import longest_sequences, plan_lengths
+    from fxckpt.workloads import load_factory
+
+    work = load_factory("tests/models.py:gpt_seq_factory")
+    said: list[str] = []
+    found = {}
+    with plan_lengths(work) as plan_at:
+        plan_at(fxckpt.inspect.inspect_options(), 64)
+        for fork in (False, True):
+            fits = longest_sequences(plan_at, limit=20 << 20, seq=64, ceiling=2048, base={},
+                                     say=said.append, fork=fork)  # fmt: skip
+            found[fork] = [(f.name, f.max_seq, f.total_bytes, f.predicted_step_ms) for f in fits]
+    assert [name for name, *_ in found[True]] == ["none", "full_checkpointing", "fxckpt"]
+    assert found[True] == found[False]
+    assert not any("failed" in line for line in said)
+
+
+def _pid_list() -> list[int]:
+    return [os.getpid()]
+
+
+def test_in_two_runs_there_in_a_copy_of_the_process() -> None:
+    from fxckpt.seq_fit import in_two
+
+    said: list[str] = []
+    there, here = in_two(_pid_list, _pid_list, say=said.append)
+    assert here == os.getpid() != there
+    assert said == []
+
+
+def test_a_copy_that_fails_or_dies_is_run_again_here_and_its_error_raised() -> None:
+    from fxckpt.seq_fit import in_two
+
+    parent = os.getpid()
+    said: list[str] = []
+
+    def dies() -> list[int]:
+        if os.getpid() != parent:
+            os._exit(3)
+        return [7]
+
+    assert in_two(dies, lambda: [8], say=said.append) == [7, 8]
+    assert said == ["the forked search failed (exit status 3); searching again here"]
+
+    class NoFit(Exception):
+        pass
+
+    def raises() -> list[int]:
+        raise NoFit("no plan fits")
+
+    with pytest.raises(NoFit, match="no plan fits"):
+        in_two(raises, lambda: [8], say=said.append)
+    assert "NoFit: no plan fits" in said[-1]
+
+
+def test_an_error_here_ends_the_copy_and_is_raised() -> None:
+    from fxckpt.seq_fit import in_two
+
+    def slow() -> list[int]:
+        time.sleep(60)
+        return [1]
+
+    def fails() -> list[int]:
+        raise ValueError("here")
+
+    start = time.perf_counter()
+    children = _children()
+    with pytest.raises(ValueError, match="here"):
+        in_two(slow, fails, say=lambda _m: None)
+    assert time.perf_counter() - start < 30  # the copy was killed, not waited for
+    assert _children() == children  # and reaped: no zombie left
+
+
+def _children() -> set[int]:
+    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return set(map(int, path.read_text().split())) if path.exists() else set()
+
+
+def test_a_large_answer_is_read_before_the_copy_is_waited_for_and_its_output_is_kept() -> None:
+    # The copy writes its answer to a pipe; larger than the pipe's buffer, it blocks until
+    # the parent reads, so a parent that waited for the copy first would wait for ever.
+    code = textwrap.dedent(
+        """
+        import sys
+        from fxckpt.seq_fit import in_two
+
+        sys.stdout.write("before\\n")  # buffered: written once, not again by the copy
+
+        def there():
+            print("from the copy")  # buffered (stdout is a pipe): the copy flushes it
+            return list(range(200_000))
+
+        out = in_two(there, lambda: [-1], say=print)
+        assert out[:3] == [0, 1, 2] and out[-1] == -1 and len(out) == 200_001
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.replace("\n", " ").split() == ["before", "from", "the", "copy", "ok"]
