@@ -238,7 +238,7 @@ def run_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         fit = sizing.step_fit(plans, optimizer=args.optimizer, device_memory_bytes=device)
         results.append(table.SweepRow(label, plans, fit))
     progress.done()
-    _warn_host_memory(results)
+    _warn_host_memory([r.plans for r in results])
     options = runs[0][1].to_dict()
     fit = results[0].fit
     sink = open(args.output, "w") if args.output else out  # noqa: SIM115
@@ -290,6 +290,7 @@ def _run_max_seq(args: argparse.Namespace, work: Any, flags: dict[str, Any], opt
         fits = longest_sequences(plan_at, limit=limit, seq=seq, ceiling=ceiling, base=base,
                                  say=progress)  # fmt: skip
     progress.done()
+    _warn_host_memory([plans])
     fit = sizing.step_fit(plans, optimizer=args.optimizer, device_memory_bytes=device)
     options = opts.to_dict()
     title = (f"longest sequence whose step fits {format_bytes(limit)} (the usable part of "
@@ -320,12 +321,12 @@ def _run_max_seq(args: argparse.Namespace, work: Any, flags: dict[str, Any], opt
     return 0
 
 
-def _warn_host_memory(results: Sequence[Any]) -> None:
-    """Warn where a plan sends more to host memory than this machine has RAM."""
+def _warn_host_memory(runs: Sequence[Sequence[Any]]) -> None:
+    """Warn where a run's plans send more to host memory than this machine has RAM."""
     from fxckpt import _host
     from fxckpt.units import format_bytes
 
-    need = max(sum(p.host_bytes for p in r.plans) for r in results)
+    need = max(sum(p.host_bytes for p in plans) for plans in runs)
     try:
         ram = _host.total_bytes()
     except FxckptError:

@@ -336,6 +336,12 @@ def test_host_memory_past_the_machines_ram_is_warned(
     code, out, err = run(capsys, GPT, "--offload", "all", "-q")
     assert code == 0, err
     assert "to host memory; this machine has 1.0 MiB of RAM" in err, err
+    # The plan at --seq under --max-seq too.
+    monkeypatch.setattr(_host, "total_bytes", lambda: 2**10)
+    code, out, err = run(capsys, "tests/models.py:gpt_seq_factory", "--offload", "all", "-q",
+                         "--device-memory", "24MiB", "--max-seq", "80")  # fmt: skip
+    assert code == 0, err
+    assert "to host memory; this machine has 1.0 KiB of RAM" in err, err
 
 
 def test_the_report_points_at_the_models_own_waste(
