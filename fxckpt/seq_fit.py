@@ -291,7 +291,8 @@ def longest_sequences(
     """Each strategy's longest sequence within ``limit`` bytes, searched in steps of
     :func:`seq_quantum` up to ``ceiling``.
 
-    With ``fork`` (by default, where the process may use two or more cores and can fork), a
+    With ``fork`` (by default on Linux, where the process may use two or more cores; macOS's
+    system libraries are not safe to use in a forked copy, and Windows has no fork), a
     forked copy of this process searches plain compile and then per-block checkpointing while
     this one searches fxckpt: the copy shares the traced joint graphs instead of tracing them
     again, and the two searches take about as long. Otherwise one strategy after the other, each
@@ -307,7 +308,7 @@ def longest_sequences(
         return out
 
     if fork is None:
-        fork = hasattr(os, "fork") and _cores() >= 2
+        fork = sys.platform.startswith("linux") and _cores() >= 2
     if not fork:
         return search(STRATEGIES, seq)
     there, here = STRATEGIES[:2], STRATEGIES[2:]
