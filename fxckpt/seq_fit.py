@@ -21,9 +21,8 @@ setting the sizes in the joint graph and the partitioner, and two processes sear
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
-import pickle
-import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -343,41 +342,35 @@ T = TypeVar("T")
 
 
 def in_two(there: Callable[[], list[T]], here: Callable[[], list[T]], *, say: Progress) -> list[T]:
-    """``there() + here()``, with ``there`` run in a forked copy of this process while this one
-    runs ``here``. Where the copy fails (or dies), ``there`` runs again here, after ``here``,
-    so that its error, if any, is raised as it would be without the fork."""
-    read, write = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # or the copy writes what this process had not yet written, again
-    pid = os.fork()
-    if pid == 0:  # the copy: its answer down the pipe, its output flushed, and out without the
-        # parent's exit hooks
-        code, payload = 1, b""
+    """``there() + here()``, with ``there`` run in a forked copy of this process (a
+    ``multiprocessing`` fork, which flushes this process's output first and the copy's as it
+    ends) while this one runs ``here``. Where the copy fails (or dies), ``there`` runs again
+    here, after ``here``, so that its error, if any, is raised as it would be without the fork."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def copy() -> None:
         try:
-            os.close(read)
-            payload, code = pickle.dumps(there()), 0
+            send.send(there())
         except BaseException as e:  # noqa: BLE001 (the parent runs it again and raises)
-            payload = pickle.dumps(f"{type(e).__name__}: {e}")
-        finally:
-            with contextlib.suppress(BaseException), os.fdopen(write, "wb") as sink:
-                sink.write(payload)
-                for stream in (sys.stdout, sys.stderr):
-                    stream.flush()
-            os._exit(code)
-    os.close(write)
+            send.send(f"{type(e).__name__}: {e}")
+
+    process = context.Process(target=copy, daemon=True)
+    process.start()
+    send.close()  # the copy holds the only writing end: its exit ends the reading
     try:
         mine = here()
     except BaseException:
-        os.kill(pid, signal.SIGKILL)
-        os.close(read)
-        os.waitpid(pid, 0)
+        process.kill()
+        process.join()
         raise
-    with os.fdopen(read, "rb") as source:
-        data = source.read()
-    _, status = os.waitpid(pid, 0)
-    theirs = pickle.loads(data) if data and os.waitstatus_to_exitcode(status) == 0 else None
+    try:
+        theirs: Any = receive.recv()  # before joining: an answer larger than the pipe holds
+    except EOFError:  # waits for this end to read it
+        theirs = None
+    process.join()
     if not isinstance(theirs, list):
-        why = pickle.loads(data) if data else f"exit status {os.waitstatus_to_exitcode(status)}"
+        why = theirs if theirs is not None else f"exit status {process.exitcode}"
         say(f"the forked search failed ({why}); searching again here")
         theirs = there()
     return theirs + mine
