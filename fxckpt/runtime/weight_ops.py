@@ -168,13 +168,13 @@ def resident_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
     _check_host(w, "resident_weight")
     dev = torch.device(device)
     key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), str(dev))
-    kept = _RESIDENT.get(key)
-    if kept is not None and kept[0] == compat.tensor_version(w):
+    kept, version = _RESIDENT.get(key), compat.tensor_version(w)
+    if kept is not None and kept[0] == version:
         return kept[1]
     out = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=dev)
     _copy(out, w, "h2d")
     stats.add("weight_h2d_bytes", w.nbytes)
-    _RESIDENT[key] = (compat.tensor_version(w), out)
+    _RESIDENT[key] = (version, out)
     return out
 
 
