@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +69,36 @@ def min_cut_without_cse(joint: torch.fx.GraphModule, joint_inputs: Any,
     from torch._functorch import config
     with config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+_DEFERRING: set[int] = set()  # threads inside min_cut_code_deferred
+_DEFER_LOCK = threading.Lock()
+_REAL_RECOMPILE = torch.fx.GraphModule.recompile
+
+
+def _recompile_unless_deferred(self: torch.fx.GraphModule) -> Any:
+    return None if threading.get_ident() in _DEFERRING else _REAL_RECOMPILE(self)
+
+
+def min_cut_code_deferred(run: Any, *args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, ...]:
+    """``run(*args, **kwargs)`` (a min-cut), its graph modules handed back lazy: their Python
+    code is generated on their first call, not in the partitioner. min-cut builds its backward
+    with the eager ``GraphModule`` and generates its code twice (its reordering, then
+    ``raise_getitems``); fxckpt rewrites the graphs it gets before anything runs them. Only
+    this thread's plain graph modules skip the code while inside."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    me = threading.get_ident()
+    with _DEFER_LOCK:
+        _DEFERRING.add(me)
+        torch.fx.GraphModule.recompile = _recompile_unless_deferred  # type: ignore[method-assign]
+    try:
+        out = run(*args, **kwargs)
+    finally:
+        with _DEFER_LOCK:
+            _DEFERRING.discard(me)
+            if not _DEFERRING:
+                torch.fx.GraphModule.recompile = _REAL_RECOMPILE  # type: ignore[method-assign]
+    return tuple(_LazyGraphModule.from_graphmodule(gm) for gm in out)
 
 
 def min_cut_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

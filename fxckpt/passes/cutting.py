@@ -11,7 +11,11 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxckpt._torch_compat import min_cut_rematerialization_partition, min_cut_without_cse
+from fxckpt._torch_compat import (
+    min_cut_code_deferred,
+    min_cut_rematerialization_partition,
+    min_cut_without_cse,
+)
 from fxckpt.graph.activations import hoist_saved_views
 from fxckpt.passes.rounds import GraphPair, clone_joint
 
@@ -59,9 +63,10 @@ def min_cut(
     (min-cut rewrites the graph it is given; nothing may use ``joint`` afterwards).
 
     ``deduplicated``: ``joint`` came from :func:`dedup_joint`, so min-cut skips its own
-    common-subexpression pass (about 40 % of its time on a decoder).
+    common-subexpression pass (about 40 % of its time on a decoder). The graphs come back
+    lazy: their code is generated when first called, not twice inside min-cut.
     """
     run = min_cut_without_cse if deduplicated else min_cut_rematerialization_partition
-    fw, bw = run(joint if consume else clone_joint(joint), joint_inputs, **kwargs)
+    fw, bw = min_cut_code_deferred(run, joint if consume else clone_joint(joint), joint_inputs, **kwargs)
     hoist_saved_views(fw)
     return fw, bw
