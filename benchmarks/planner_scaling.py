@@ -73,9 +73,9 @@ def capturing() -> Iterator[Capture]:
     def heard(done: StageDone) -> None:
         cap.steps.append((done.name, done.seconds * 1e3))
 
-    def choose(problem: Any, blocks: Any, budget: int | None, prefetch: str) -> Any:
+    def choose(problem: Any, blocks: Any, budget: int | None, prefetch: str, low: Any = None) -> Any:
         start = time.perf_counter()
-        pick = old_choose(problem, blocks, budget, prefetch)
+        pick = old_choose(problem, blocks, budget, prefetch, low)
         cap.problems.append((problem, budget, prefetch, time.perf_counter() - start))
         return pick
 

@@ -224,12 +224,12 @@ def test_a_round_that_falls_short_recomputes_more_blocks(monkeypatch: pytest.Mon
     budget = (measured_peak(None, offload="never") + measured_peak(LOWEST, offload="never")) // 2
     real, searched = plan_round.choose, []
 
-    def short(problem, blocks, target, prefetch):  # type: ignore[no-untyped-def]
+    def short(problem, blocks, target, prefetch, low=None):  # type: ignore[no-untyped-def]
         if blocks is not None:
             searched.append(target)
             if len(searched) == 1:
-                return real(problem, blocks, 3 * target, prefetch)
-        return real(problem, blocks, target, prefetch)
+                return real(problem, blocks, 3 * target, prefetch, low)
+        return real(problem, blocks, target, prefetch, low)
 
     monkeypatch.setattr(plan_round, "choose", short)
     plan, measured = run(budget, offload="never")

@@ -112,3 +112,9 @@ class Context:
         """A partition's own live bytes (under Inductor, what it fuses left out)."""
         fused = fused_intermediates(fw) | fused_intermediates(bw) if self.inductor else set()
         return step_liveness(fw, bw, fused)
+
+    def part_live(self, part: Partition) -> StepLiveness:
+        """:meth:`live_of` a partition being planned, once per partition."""
+        if "live" not in part.memo:
+            part.memo["live"] = self.live_of(part.fw, part.bw)
+        return part.memo["live"]

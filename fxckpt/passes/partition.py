@@ -250,7 +250,7 @@ def _plan(ctx: Context) -> None:
         plan_rounds, Attempt(None, ctx.part, Rounds(), ctx.report, ctx.segment_ms),
         source=ctx.source, cut=ctx.cut, blocks=ctx.blocks, options=options, device=ctx.device,
         num_fwd_outputs=ctx.num_fwd_outputs, requests=ctx.requests, assumed=ctx.assumed,
-        graph_name=ctx.graph_name, live_of=lambda part: ctx.live_of(part.fw, part.bw),
+        graph_name=ctx.graph_name, live_of=ctx.part_live,
         search_blocks=target is not None and search_blocks(ctx),
     )  # fmt: skip
     attempt = plan_at(target)

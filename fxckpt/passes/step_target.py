@@ -67,9 +67,10 @@ def fraction_stage(ctx: Context) -> None:
     assert isinstance(fraction, float)
     planner = RoundPlanner(ctx.options, None, ctx.device, ctx.blocks, ctx.num_fwd_outputs,
                            ctx.requests, ctx.assumed)  # fmt: skip
-    _, floor = planner.plan_range(ctx.part, ctx.live_of(ctx.part.fw, ctx.part.bw),
-                                  search_blocks=search_blocks(ctx))
-    plain = ctx.live_of(*ctx.base).peak
+    live = ctx.part_live(ctx.part)
+    _, floor = planner.plan_range(ctx.part, live, search_blocks=search_blocks(ctx))
+    untagged = ctx.part.fw is ctx.base[0] and ctx.part.bw is ctx.base[1]
+    plain = live.peak if untagged else ctx.live_of(*ctx.base).peak
     floor = min(floor, plain)
     ctx.span = (plain, floor)
     own = floor + int(fraction * (plain - floor))

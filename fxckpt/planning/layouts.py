@@ -210,13 +210,24 @@ def lower_bound(pb: Problem, budget: int, iso: Sequence[tuple[int, int, float]])
     return bound
 
 
-class _Lowest:
+class LayoutsAtLowest:
     """Each layout applied to one problem, every candidate at its lowest choice, simulated once
-    per layout however often :func:`admissible`, :func:`lowest` and :func:`search` ask."""
+    per layout however often :func:`admissible`, :func:`lowest` and :func:`search` ask (pass
+    the same one to each; ``blocks`` None: the layout with no blocks only)."""
 
-    def __init__(self, problem: Problem, blocks: Blocks, prefetch: str) -> None:
-        self.problem, self.blocks, self.prefetch = problem, blocks, prefetch
+    def __init__(self, problem: Problem, blocks: Blocks | None, prefetch: str) -> None:
+        self.problem, self.prefetch = problem, prefetch
+        self.options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
+        self.blocks = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
         self._memo: dict[Layout, tuple[Problem, SimResult]] = {}
+        self._allowed: list[int] | None = None
+
+    def allowed(self) -> list[int]:
+        """Indices of :attr:`options` that :func:`search` may choose (:func:`admissible`)."""
+        if self._allowed is None:
+            self._allowed = (admissible(self.problem, self.blocks, self.options, self.prefetch, self)
+                             if len(self.options) > 1 else [0])  # fmt: skip
+        return self._allowed
 
     def __call__(self, layout: Layout) -> tuple[Problem, SimResult]:
         got = self._memo.get(layout)
@@ -229,11 +240,11 @@ class _Lowest:
 
 
 def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], prefetch: str,
-               low: _Lowest | None = None) -> list[int]:
+               low: LayoutsAtLowest | None = None) -> list[int]:
     """Indices of the layouts :func:`search` may choose: every one without longer segments,
     and a layout of longer segments only where its lowest peak, counting what its segments
     rebuild in the backward, is no higher than one-block segments over every block reach."""
-    low = low or _Lowest(problem, blocks, prefetch)
+    low = low or LayoutsAtLowest(problem, blocks, prefetch)
     per_block = Layout(tuple((b,) for b in blocks.order), "blocks")
     longer = [k for k, layout in enumerate(options) if layout.kind == "stride"]
     ceiling = low(per_block)[1].peak if longer else 0
@@ -241,29 +252,28 @@ def admissible(problem: Problem, blocks: Blocks, options: Sequence[Layout], pref
             if layout.kind != "stride" or low(layout)[1].peak <= ceiling]
 
 
-def lowest(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> list[int]:
+def lowest(problem: Problem, blocks: Blocks | None, prefetch: str = "auto",
+           low: LayoutsAtLowest | None = None) -> list[int]:
     """The resident bytes at each position of the admissible layout whose lowest peak is
     lowest, every candidate at its lowest choice (what :func:`search` falls back to when no
-    plan meets a budget)."""
-    options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
-    facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
-    low = _Lowest(problem, facts, prefetch)
-    allowed = admissible(problem, facts, options, prefetch, low) if len(options) > 1 else [0]
+    plan meets a budget). ``low``: ``problem``'s layouts, where already made."""
+    low = low or LayoutsAtLowest(problem, blocks, prefetch)
     best: list[int] | None = None
-    for k in allowed:
-        res = low(options[k])[1].resident
+    for k in low.allowed():
+        res = low(low.options[k])[1].resident
         if best is None or max(res, default=0) < max(best, default=0):
             best = res
     return best or []
 
 
-def lowest_peak(problem: Problem, blocks: Blocks | None, prefetch: str = "auto") -> int:
+def lowest_peak(problem: Problem, blocks: Blocks | None, prefetch: str = "auto",
+                low: LayoutsAtLowest | None = None) -> int:
     """The lowest peak any admissible layout reaches (:func:`lowest`)."""
-    return max(lowest(problem, blocks, prefetch), default=0)
+    return max(lowest(problem, blocks, prefetch, low), default=0)
 
 
-def within_reach(problem: Problem, budget: int, blocks: Blocks | None, prefetch: str = "auto"
-                 ) -> tuple[Problem, int, int]:
+def within_reach(problem: Problem, budget: int, blocks: Blocks | None, prefetch: str = "auto",
+                 low: LayoutsAtLowest | None = None) -> tuple[Problem, int, int]:
     """``problem`` and ``budget`` with the budget raised, position by position, to what the
     lowest layout reaches there where it is lower than that; and the most it was raised by.
 
@@ -271,8 +281,8 @@ def within_reach(problem: Problem, budget: int, blocks: Blocks | None, prefetch:
     over it), the others still hold theirs: the search then finds the cheapest plan that
     meets the budget wherever it can be met, and the floor elsewhere, instead of the plan
     that evicts all it can."""
-    low = lowest(problem, blocks, prefetch)
-    excess = [max(0, r - budget) for r in low]
+    low_res = lowest(problem, blocks, prefetch, low)
+    excess = [max(0, r - budget) for r in low_res]
     most = max(excess, default=0)
     if most == 0:
         return problem, budget, 0
@@ -282,16 +292,16 @@ def within_reach(problem: Problem, budget: int, blocks: Blocks | None, prefetch:
     return Problem(dataclasses.replace(tl, fixed_resident=fixed), problem.candidates), budget + most, most
 
 
-def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto") -> Pick:
+def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str = "auto",
+           low: LayoutsAtLowest | None = None) -> Pick:
     """The cheapest point of any admissible layout that meets ``budget``; else the layout
     whose lowest peak is lowest (ties: less block time), at the solver's lowest peak on it.
 
-    Without ``blocks`` only the layout with no blocks is searched.
+    Without ``blocks`` only the layout with no blocks is searched. ``low``: ``problem``'s
+    layouts, where already made.
     """
-    options = layouts(problem, blocks) if blocks is not None and blocks.order else [NONE]
-    facts = blocks or Blocks((), {}, [None] * len(problem), [()] * len(problem))
-    low = _Lowest(problem, facts, prefetch)
-    allowed = admissible(problem, facts, options, prefetch, low) if len(options) > 1 else [0]
+    low = low or LayoutsAtLowest(problem, blocks, prefetch)
+    options, facts, allowed = low.options, low.blocks, low.allowed()
     S = problem.prefix_ms()
     iso = [isolated_offload(problem, S, i, prefetch) for i in range(len(problem))]
     # Best-first over lower bounds: a layout's block time bounds what it can cost, and its

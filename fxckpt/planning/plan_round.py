@@ -15,7 +15,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +29,16 @@ from fxckpt.graph.liveness import StepLiveness
 from fxckpt.options import Options
 from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.host import HostReport, place_tiers, warn_host_short
-from fxckpt.planning.layouts import NONE, Blocks, Layout, Pick, lowest_peak, search, within_reach
+from fxckpt.planning.layouts import (
+    NONE,
+    Blocks,
+    Layout,
+    LayoutsAtLowest,
+    Pick,
+    lowest_peak,
+    search,
+    within_reach,
+)
 from fxckpt.planning.memory import Problem, simulate
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.problem import (
@@ -49,11 +58,16 @@ from fxckpt.planning.solve import Solution
 
 @dataclass(frozen=True)
 class Partition:
-    """One min-cut's forward and backward graphs and the tensors the forward saves."""
+    """One min-cut's forward and backward graphs and the tensors the forward saves.
+
+    ``memo``: what planning derives from them and asks for more than once (the solver's
+    problem, the block facts, each layout at its lowest), kept for the partition's life, which
+    is one compile's planning; its graphs do not change while it is planned."""
 
     fw: fx.GraphModule
     bw: fx.GraphModule
     saved: list[SavedActivation]
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -96,13 +110,26 @@ class RoundDecision:
         return "keep" if choice is None else choice.kind
 
 
-def choose(problem: Problem, blocks: Blocks | None, budget: int | None, prefetch: str) -> Pick:
-    """The solver's answer for one round (benchmarks wrap this to capture problems)."""
+def choose(problem: Problem, blocks: Blocks | None, budget: int | None, prefetch: str,
+           low: LayoutsAtLowest | None = None) -> Pick:
+    """The solver's answer for one round (benchmarks wrap this to capture problems).
+    ``low``: ``problem``'s layouts at their lowest, where already simulated."""
     if budget is None:
         from fxckpt.planning.solve import solve
 
         return Pick(NONE, problem, solve(problem, None, prefetch=prefetch), 0.0, {})
-    return search(problem, blocks, budget, prefetch)
+    return search(problem, blocks, budget, prefetch, low=low)
+
+
+def _low(part: Partition, problem: Problem, facts: Blocks | None, prefetch: str) -> LayoutsAtLowest:
+    """``problem``'s layouts at their lowest, shared by every problem of ``part`` that counts
+    the same bytes at each position (a fraction's target adds none): the plan range and the
+    first round's search simulate each layout once between them."""
+    fixed = problem.timeline.fixed_resident
+    key = ("lowest", id(problem.candidates), None if fixed is None else tuple(fixed), id(facts), prefetch)
+    if (got := part.memo.get(key)) is None:
+        got = part.memo[key] = LayoutsAtLowest(problem, facts, prefetch)
+    return got
 
 
 class RoundPlanner:
@@ -134,6 +161,14 @@ class RoundPlanner:
         """The solver's problem for ``part`` in the step (``live``: the partition's own live
         bytes at every position), the FLOPs to rebuild each tensor, the storages, why each
         forced one is forced, and the forward's node costs."""
+        key = ("problem", allow_recompute, frozenset(stuck))
+        if (got := part.memo.get(key)) is not None:
+            return got
+        part.memo[key] = got = self._problem(part, allow_recompute=allow_recompute, stuck=stuck)
+        return got
+
+    def _problem(self, part: Partition, *, allow_recompute: bool, stuck: Set[str]
+                 ) -> tuple[Problem, dict[str, float], list[StorageGroup], dict[str, str], list[float]]:
         opts = self.options
         offloadable = {
             a.name for a in offload_candidates(part.saved, part.fw, self.num_fwd_outputs, opts)
@@ -177,9 +212,15 @@ class RoundPlanner:
         the planner's model."""
         problem, _, storages, _, fw_ms = self.problem(part, live)
         problem, _ = in_the_step(problem, live.forward, live.backward, None)
-        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if search_blocks else None
+        facts = self._facts(part, storages, fw_ms) if search_blocks else None
         plain = max(simulate(problem, ["keep"] * len(problem)).resident, default=0)
-        return plain, lowest_peak(problem, facts, self.options.prefetch)
+        return plain, lowest_peak(problem, facts, self.options.prefetch,
+                                  low=_low(part, problem, facts, self.options.prefetch))
+
+    def _facts(self, part: Partition, storages: list[StorageGroup], fw_ms: list[float]) -> Blocks | None:
+        if "facts" not in part.memo:
+            part.memo["facts"] = block_facts(self.blocks, part.fw, storages, fw_ms)
+        return part.memo["facts"]
 
     def decide(
         self,
@@ -212,11 +253,13 @@ class RoundPlanner:
             problem, budget = in_the_step(problem, live.forward, live.backward, target)
         # Blocks, like single ops, only while another partition can carry them out.
         recompute = search_blocks and allow_recompute and budget is not None
-        facts = block_facts(self.blocks, part.fw, storages, fw_ms) if recompute else None
+        facts = self._facts(part, storages, fw_ms) if recompute else None
         raised = 0
         offsets: tuple[int, ...] = ()
+        low = None
         if budget is not None:
-            problem, budget, raised = within_reach(problem, budget, facts, opts.prefetch)
+            low = _low(part, problem, facts, opts.prefetch)
+            problem, budget, raised = within_reach(problem, budget, facts, opts.prefetch, low=low)
             fixed = problem.timeline.fixed_resident or [0] * problem.timeline.num_positions
             offsets = tuple(f - o for f, o in zip(fixed, own, strict=True))
         pick = None
@@ -226,7 +269,9 @@ class RoundPlanner:
             pick = choose(plain, None, budget, opts.prefetch)
             pick = pick if pick.feasible else None
         if pick is None:
-            pick = choose(problem, facts, budget, opts.prefetch)
+            # The layouts at their lowest, as within_reach found them, where it left the problem.
+            same = low is not None and raised == 0
+            pick = choose(problem, facts, budget, opts.prefetch, low=low if same else None)
         decision = _decision(pick, storages, flops, forced_why, budget)
         decision = dataclasses.replace(decision, offsets=offsets, raised=raised)
         pinned = self.device.type in ("cuda", "meta")  # meta: offline, for a GPU
