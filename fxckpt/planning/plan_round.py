@@ -255,19 +255,25 @@ class RoundPlanner:
         recompute = search_blocks and allow_recompute and budget is not None
         facts = self._facts(part, storages, fw_ms) if recompute else None
         raised = 0
-        offsets: tuple[int, ...] = ()
         low = None
-        if budget is not None:
-            low = _low(part, problem, facts, opts.prefetch)
-            problem, budget, raised = within_reach(problem, budget, facts, opts.prefetch, low=low)
-            fixed = problem.timeline.fixed_resident or [0] * problem.timeline.num_positions
-            offsets = tuple(f - o for f, o in zip(fixed, own, strict=True))
-        pick = None
-        if keep_first and budget is not None:
+
+        def keeping() -> Pick | None:  # a plan that keeps or offloads and meets the budget
             c = problem.candidates
             plain = Problem(problem.timeline, dataclasses.replace(c, recompute_ms=[math.inf] * len(c)))
             pick = choose(plain, None, budget, opts.prefetch)
-            pick = pick if pick.feasible else None
+            return pick if pick.feasible else None
+
+        # Where one meets the budget as it stands, no layout needs the budget raised: the
+        # layouts' lowest peaks are not needed.
+        pick = keeping() if keep_first and budget is not None else None
+        if budget is not None and pick is None:
+            low = _low(part, problem, facts, opts.prefetch)
+            problem, budget, raised = within_reach(problem, budget, facts, opts.prefetch, low=low)
+            pick = keeping() if keep_first and raised else None
+        offsets: tuple[int, ...] = ()
+        if budget is not None:
+            fixed = problem.timeline.fixed_resident or [0] * problem.timeline.num_positions
+            offsets = tuple(f - o for f, o in zip(fixed, own, strict=True))
         if pick is None:
             # The layouts at their lowest, as within_reach found them, where it left the problem.
             same = low is not None and raised == 0
