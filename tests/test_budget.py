@@ -285,3 +285,22 @@ def test_an_unset_stride_is_relaxed_and_a_set_one_is_kept() -> None:
     plan, measured = run(err.smallest_bytes, offload="never", segment_stride=0)
     assert not any(n.startswith("segment_stride is unset") for n in plan.notes)
     assert measured.absolute_peak_bytes <= err.smallest_bytes + SLACK
+
+
+def test_each_layout_is_simulated_once_per_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fraction's plan range and the first round plan the same partition: they share its
+    # problem and each layout at its lowest, and a round's search reuses what within_reach
+    # simulated. Counted by content, so a problem built twice would count twice.
+    import fxckpt.planning.layouts as layouts
+
+    real, seen = layouts.apply, []
+
+    def counted(problem, blocks, layout, **kw):  # type: ignore[no-untyped-def]
+        fixed = problem.timeline.fixed_resident
+        seen.append((layout, len(problem), None if fixed is None else tuple(fixed)))
+        return real(problem, blocks, layout, **kw)
+
+    monkeypatch.setattr(layouts, "apply", counted)
+    run(0.5)
+    assert sum(1 for layout, *_ in seen if layout.blocks) > 1  # block layouts were searched
+    assert len(seen) == len(set(seen)), "a layout simulated twice on one partition"
