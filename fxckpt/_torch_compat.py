@@ -73,11 +73,11 @@ def min_cut_without_cse(joint: torch.fx.GraphModule, joint_inputs: Any,
 
 _DEFERRING: set[int] = set()  # threads inside min_cut_code_deferred
 _DEFER_LOCK = threading.Lock()
-_REAL_RECOMPILE = torch.fx.GraphModule.recompile
+_found_recompile: Any = torch.fx.GraphModule.recompile  # as the first of them found it
 
 
 def _recompile_unless_deferred(self: torch.fx.GraphModule) -> Any:
-    return None if threading.get_ident() in _DEFERRING else _REAL_RECOMPILE(self)
+    return None if threading.get_ident() in _DEFERRING else _found_recompile(self)
 
 
 def min_cut_code_deferred(run: Any, *args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, ...]:
@@ -87,17 +87,20 @@ def min_cut_code_deferred(run: Any, *args: Any, **kwargs: Any) -> tuple[torch.fx
     ``raise_getitems``); fxckpt rewrites the graphs it gets before anything runs them. Only
     this thread's plain graph modules skip the code while inside."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
+    global _found_recompile
     me = threading.get_ident()
     with _DEFER_LOCK:
+        if not _DEFERRING:
+            _found_recompile = torch.fx.GraphModule.__dict__["recompile"]
+            torch.fx.GraphModule.recompile = _recompile_unless_deferred  # type: ignore[method-assign]
         _DEFERRING.add(me)
-        torch.fx.GraphModule.recompile = _recompile_unless_deferred  # type: ignore[method-assign]
     try:
         out = run(*args, **kwargs)
     finally:
         with _DEFER_LOCK:
             _DEFERRING.discard(me)
             if not _DEFERRING:
-                torch.fx.GraphModule.recompile = _REAL_RECOMPILE  # type: ignore[method-assign]
+                torch.fx.GraphModule.recompile = _found_recompile  # type: ignore[method-assign]
     return tuple(_LazyGraphModule.from_graphmodule(gm) for gm in out)
 
 

@@ -61,3 +61,24 @@ def test_an_error_in_min_cut_leaves_recompile_as_it_was() -> None:
         compat.min_cut_code_deferred(run)
     assert hasattr(_plain_module(), "_code")
     assert fx.GraphModule.__dict__["recompile"] is RECOMPILE
+
+
+def test_a_recompile_someone_else_installed_is_the_one_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[fx.GraphModule] = []
+
+    def theirs(self: fx.GraphModule) -> object:
+        calls.append(self)
+        return RECOMPILE(self)
+
+    monkeypatch.setattr(fx.GraphModule, "recompile", theirs)
+    other: list[fx.GraphModule] = []
+
+    def run() -> tuple[fx.GraphModule]:
+        t = threading.Thread(target=lambda: other.append(_plain_module()))
+        t.start()
+        t.join()
+        return (_plain_module(),)
+
+    compat.min_cut_code_deferred(run)
+    assert fx.GraphModule.__dict__["recompile"] is theirs
+    assert any(gm is other[0] for gm in calls), "another thread's module skipped their recompile"
