@@ -23,6 +23,20 @@ def _plain_module() -> fx.GraphModule:
     return fx.GraphModule(gm, gm.graph)  # the eager class, as min-cut's reordering builds it
 
 
+def _min_cut_beside_another_thread() -> list[fx.GraphModule]:
+    """A min-cut during which another thread builds a module; that module."""
+    other: list[fx.GraphModule] = []
+
+    def run() -> tuple[fx.GraphModule]:
+        t = threading.Thread(target=lambda: other.append(_plain_module()))
+        t.start()
+        t.join()
+        return (_plain_module(),)
+
+    compat.min_cut_code_deferred(run)
+    return other
+
+
 def test_the_partitions_modules_get_their_code_at_their_first_call() -> None:
     made: list[fx.GraphModule] = []
 
@@ -39,15 +53,7 @@ def test_the_partitions_modules_get_their_code_at_their_first_call() -> None:
 
 
 def test_other_threads_and_later_modules_get_their_code_when_built() -> None:
-    other: list[fx.GraphModule] = []
-
-    def run() -> tuple[fx.GraphModule]:
-        t = threading.Thread(target=lambda: other.append(_plain_module()))
-        t.start()
-        t.join()
-        return (_plain_module(),)
-
-    compat.min_cut_code_deferred(run)
+    other = _min_cut_beside_another_thread()
     assert hasattr(other[0], "_code"), "another thread's module lost its code"
     assert hasattr(_plain_module(), "_code"), "recompile stayed deferred after min-cut"
     assert fx.GraphModule.__dict__["recompile"] is RECOMPILE, "GraphModule.recompile not put back"
@@ -71,14 +77,6 @@ def test_a_recompile_someone_else_installed_is_the_one_put_back(monkeypatch: pyt
         return RECOMPILE(self)
 
     monkeypatch.setattr(fx.GraphModule, "recompile", theirs)
-    other: list[fx.GraphModule] = []
-
-    def run() -> tuple[fx.GraphModule]:
-        t = threading.Thread(target=lambda: other.append(_plain_module()))
-        t.start()
-        t.join()
-        return (_plain_module(),)
-
-    compat.min_cut_code_deferred(run)
+    other = _min_cut_beside_another_thread()
     assert fx.GraphModule.__dict__["recompile"] is theirs
     assert any(gm is other[0] for gm in calls), "another thread's module skipped their recompile"
