@@ -352,6 +352,7 @@ def _settle(ctx: Context) -> None:
         decision.choices if decision is not None else {},
         segment_of_block=segments,
         recompute_reasons=rounds.reasons,
+        keep_reasons={n: r for n, r in rounds.reasons.items() if n in rounds.saved},
         flops=_recompute_flops(ctx, seen, {a.name for a in part.saved}),
         budget_bytes=ticket.budget if ticket is not None else (target.largest if target else None),
         resident_peak_bytes=saved_peak,

@@ -22,7 +22,7 @@ from fxckpt.graph.blocks import BlockFacts
 from fxckpt.graph.liveness import StepLiveness
 from fxckpt.options import Options
 from fxckpt.passes.pipeline import timed
-from fxckpt.passes.segment import SegmentReport, tag_recompute, tag_segments
+from fxckpt.passes.segment import SegmentReport, tag_recompute, tag_save, tag_segments
 from fxckpt.planning.account import PeakTarget
 from fxckpt.planning.layouts import NONE, Layout
 from fxckpt.planning.plan_round import Partition, RoundDecision, RoundPlanner
@@ -57,6 +57,7 @@ class Rounds:
 
     layout: Layout = NONE
     names: set[str] = dataclasses.field(default_factory=set)
+    saved: set[str] = dataclasses.field(default_factory=set)  # kept inside recomputed blocks
     stuck: set[str] = dataclasses.field(default_factory=set)
     rebuilt: dict[str, SavedActivation] = dataclasses.field(default_factory=dict)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -76,6 +77,10 @@ class Rounds:
         elif new.blocks:
             self.layout = new
         self.names |= decision.recompute
+        self.saved |= decision.saved
+        for a in part.saved:
+            if a.name in decision.saved:
+                self.reasons[a.name] = decision.choices[a.storage].reason
         for a in part.saved:
             if a.name in decision.recompute:
                 self.reasons[a.name] = decision.choices[a.storage].reason
@@ -138,6 +143,7 @@ def plan_rounds(
             tagged = clone_joint(source)
             if rounds.layout.blocks:
                 report = tag_layout(tagged, blocks, rounds.layout)
+            tag_save(tagged, rounds.saved)
             tag_recompute(tagged, rounds.names)
             segment_ms = segment_recompute_ms(tagged, options.cost_model, device)
         with timed(graph_name, "min-cut (re-plan)"):

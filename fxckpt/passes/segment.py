@@ -101,3 +101,13 @@ def tag_recompute(joint: fx.GraphModule, names: set[str] | frozenset[str]) -> No
     for node in joint.graph.nodes:
         if node.name in names:
             node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def tag_save(joint: fx.GraphModule, names: set[str] | frozenset[str]) -> None:
+    """After this pass, min-cut saves the named forward nodes, though a segment that is
+    recomputed holds them: the rest of the segment is rebuilt around them."""
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta[meta.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+            node.meta.pop(meta.AC_GRAPH_ID, None)
+            node.meta.pop(meta.SEGMENT, None)

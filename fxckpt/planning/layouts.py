@@ -45,6 +45,9 @@ class Blocks:
     ms: Mapping[int, float]  # time to recompute each block's forward
     member: Sequence[int | None]  # per candidate: the block whose recompute frees it
     users: Sequence[tuple[int, ...]]  # per candidate: later blocks whose forward reads it
+    # Per candidate: forward ms of the op that makes it (through views), what saving it
+    # spares a block that is recomputed around it (empty: not known, see :func:`fill`).
+    own_ms: Sequence[float] = ()
 
 
 @dataclass(frozen=True)
@@ -109,14 +112,16 @@ def freed(blocks: Blocks, layout: Layout) -> dict[int, int]:
     return out
 
 
-def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt: bool = False) -> Problem:
+def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt: bool = False,
+          kept: frozenset[int] = frozenset()) -> Problem:
     """``problem`` as it looks with ``layout``'s blocks recomputed (see the module doc).
 
     The freed tensors become forced recomputes the blocks pay for. ``rebuilt``: they count
     from their segment's first backward use to their own last use, instead of nothing.
+    ``kept``: tensors of those blocks saved all the same (forced keeps, see :func:`fill`).
     """
-    gone = freed(blocks, layout)
-    if not gone:
+    gone = {i: k for i, k in freed(blocks, layout).items() if i not in kept}
+    if not gone and not kept:
         return problem
     c = problem.candidates
     start: dict[int, int] = {}
@@ -129,6 +134,8 @@ def apply(problem: Problem, blocks: Blocks, layout: Layout, *, rebuilt: bool = F
     for i, k in gone.items():
         forced[i], first[i], rec[i] = "recompute", start[k], 0.0
         nbytes[i] = nbytes[i] if rebuilt else 0
+    for i in kept:
+        forced[i] = "keep"
     return Problem(
         problem.timeline,
         dataclasses.replace(
@@ -150,6 +157,7 @@ class Pick:
     solution: Solution
     blocks_ms: float
     freed: dict[int, int]  # candidate -> segment index, for the layout's blocks
+    kept: frozenset[int] = frozenset()  # tensors of those blocks saved all the same (fill)
 
     @property
     def cost_ms(self) -> float:
@@ -327,7 +335,7 @@ def search(problem: Problem, blocks: Blocks | None, budget: int, prefetch: str =
             if sol.feasible and (best is None or key < best[:3]):
                 best = (*key, Pick(layout, pb, sol, ms, freed(facts, layout)))
     if best is not None:
-        return best[3]
+        return fill(best[3], problem, facts, budget, prefetch)
     lowest: tuple[int, float, int] | None = None
     for k in allowed:
         here = (low(options[k])[1].peak, blocks_ms(facts, options[k]), k)
@@ -344,3 +352,40 @@ def _points(pb: Problem, budget: int, prefetch: str) -> list[Solution]:
     everything = make_solution(pb, _offload_all(pb), budget, "offload-all", prefetch)
     return [greedy, everything]
 
+
+
+# What :func:`fill` leaves unfilled, of the budget: the partition that carries a layout out
+# can hold a little more than this model of it (tensors min-cut saves at a segment's edge),
+# and a plan filled to the byte would then need an offload to fit again.
+FILL_MARGIN = 0.02
+
+
+def fill(pick: Pick, problem: Problem, blocks: Blocks, budget: int, prefetch: str) -> Pick:
+    """``pick`` with tensors of its recomputed blocks saved after all, while its peak stays
+    within ``budget``: the room that whole blocks leave under the budget spares recompute.
+
+    Blocks come whole, so a plan that recomputes them lands below the budget by up to a
+    block's bytes. Each tensor saved there spares the op that makes it (``blocks.own_ms``);
+    they are tried by ms spared per byte, most first, each kept where the simulated peak
+    still meets the budget less :data:`FILL_MARGIN`. ``problem``: as :func:`search` was
+    given it. The cost falls and the peak stays within the budget, so the pick stays the
+    cheapest that meets it.
+    """
+    c = problem.candidates
+    if not pick.freed or not blocks.own_ms or not pick.feasible:
+        return pick
+    limit = budget - int(budget * FILL_MARGIN)
+    order = sorted((i for i in pick.freed if blocks.own_ms[i] > 0 and c.bytes[i] > 0),
+                   key=lambda i: (-blocks.own_ms[i] / c.bytes[i], i))
+    for i in order:
+        if c.bytes[i] > limit - pick.solution.peak:
+            continue  # saved from the forward on, it is held where the backward starts
+        kept = pick.kept | {i}
+        pb = apply(problem, blocks, pick.layout, rebuilt=True, kept=kept)
+        choices = ["keep" if j in kept else ch for j, ch in enumerate(pick.solution.choices)]
+        sol = make_solution(pb, choices, budget, pick.solution.method_used, prefetch)
+        if sol.peak <= limit:
+            spared = sum(blocks.own_ms[j] for j in kept)
+            pick = Pick(pick.layout, pb, sol, max(0.0, blocks_ms(blocks, pick.layout) - spared),
+                        {j: k for j, k in pick.freed.items() if j != i}, kept)
+    return pick

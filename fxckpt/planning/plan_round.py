@@ -24,7 +24,6 @@ import torch.fx as fx
 from fxckpt.errors import BudgetError
 from fxckpt.graph.activations import SavedActivation
 from fxckpt.graph.blocks import BlockFacts
-from fxckpt.graph.costs import random_output
 from fxckpt.graph.liveness import StepLiveness
 from fxckpt.options import Options
 from fxckpt.planning.account import PeakTarget
@@ -43,6 +42,7 @@ from fxckpt.planning.memory import Problem, simulate
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.problem import (
     StorageGroup,
+    block_facts,
     build_problem,
     copy_buckets,
     forced_offloads,
@@ -90,6 +90,7 @@ class RoundDecision:
     offsets: tuple[int, ...] = ()
     # Bytes by which the budget was raised where no plan meets it (layouts.within_reach).
     raised: int = 0
+    saved: frozenset[str] = frozenset()  # tensors of recomputed blocks to save all the same
 
     @property
     def reached(self) -> bool:
@@ -323,52 +324,23 @@ def _decision(
     choices = reasons(pick.problem, pick.solution, storages, flops, forced_why, budget)
     single: set[str] = set()
     single_ms: dict[str, float] = {}
+    saved: set[str] = set()
     for i, s in enumerate(storages):
         if i in pick.freed:
             block = s.members[0].block
             choices[s.key] = Choice("recompute", f"recompute: block {block} is recomputed to meet the memory budget")
+        elif i in pick.kept:
+            block = s.members[0].block
+            saved |= {a.name for a in s.members}
+            choices[s.key] = Choice("keep", f"keep: block {block} is recomputed around it; "
+                                            "saving it spares its op within the memory budget")
         elif choices[s.key].kind == "recompute":
             single |= {a.name for a in s.members}
             single_ms[s.key] = pick.problem.candidates.recompute_ms[i]
     return RoundDecision(
         storages, pick.problem, pick.solution, choices, pick.layout, frozenset(single),
-        single_ms, flops, pick.blocks_ms,
+        single_ms, flops, pick.blocks_ms, saved=frozenset(saved),
     )
-
-
-def block_facts(
-    blocks: BlockFacts, fw: fx.GraphModule, storages: list[StorageGroup], fw_ms: list[float]
-) -> Blocks | None:
-    """What recomputing each block would free and cost, from one partition's forward.
-
-    A storage belongs to a block when all its tensors do and none comes from a random op
-    (those stay saved inside a segment). Its users are the later blocks whose forward reads it.
-    """
-    if not blocks.index_of:
-        return None
-    nodes = list(fw.graph.nodes)
-    ms = dict.fromkeys(blocks.blocks, 0.0)
-    for pos, node in enumerate(nodes):
-        b = blocks.index_of.get(node.name)
-        if b is not None:
-            ms[b] += fw_ms[pos]
-    by_name = {n.name: n for n in nodes}
-    member: list[int | None] = []
-    users: list[tuple[int, ...]] = []
-    for s in storages:
-        owners = {a.block for a in s.members}
-        b = owners.pop() if len(owners) == 1 else None
-        if b is not None and any(random_output(by_name[a.name]) for a in s.members):
-            b = None
-        reads = {
-            c
-            for a in s.members
-            for u in by_name[a.name].users
-            if (c := blocks.index_of.get(u.name)) is not None
-        }
-        member.append(b)
-        users.append(tuple(sorted(c for c in reads if b is not None and c > b)))
-    return Blocks(blocks.blocks, ms, member, users)
 
 
 def settle(

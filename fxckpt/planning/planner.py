@@ -57,6 +57,7 @@ def build_plan(
     *,
     segment_of_block: Mapping[int, int],
     recompute_reasons: Mapping[str, str] | None = None,
+    keep_reasons: Mapping[str, str] | None = None,
     flops: Mapping[str, float] | None = None,
     budget_bytes: int | None = None,
     resident_peak_bytes: int | None = None,
@@ -68,6 +69,8 @@ def build_plan(
 
     ``choices`` maps a storage name of ``final`` to its decision; storages without one are
     kept. Tensors that the baseline saves and the final partition does not are recomputed.
+    ``keep_reasons``: why a kept tensor is kept, where an earlier round said it (a tensor
+    saved inside a recomputed block).
     """
     rows: list[PlannedActivation] = []
     final_names = {a.name for a in final}
@@ -75,6 +78,7 @@ def build_plan(
         choice = choices.get(a.storage)
         if choice is None or choice.kind == "keep":
             reason = choice.reason if choice is not None else "keep: no budget asks to evict it"
+            reason = (keep_reasons or {}).get(a.name, reason)
             rows.append(_row(a, Keep(reason)))
         elif choice.kind == "offload":
             rows.append(_row(a, Offload(choice.reason, tier=choice.tier)))  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
@@ -17,10 +18,12 @@ import torch.fx as fx
 from fxckpt._torch_compat import OFFLOAD_POLICIES
 from fxckpt.graph import meta
 from fxckpt.graph.activations import SavedActivation
-from fxckpt.graph.costs import is_random, node_cost_ms, node_flops
+from fxckpt.graph.blocks import BlockFacts
+from fxckpt.graph.costs import is_random, is_view_like, node_cost_ms, node_flops, random_output
 from fxckpt.graph.sizes import bound_symbols, restorable
 from fxckpt.options import Options
 from fxckpt.planning.account import PeakTarget
+from fxckpt.planning.layouts import Blocks
 from fxckpt.planning.memory import Candidates, Problem, Timeline, simulate
 from fxckpt.planning.planner import Choice
 from fxckpt.planning.solve import Solution
@@ -354,3 +357,52 @@ def segment_recompute_ms(tagged: fx.GraphModule, cost_model: str, device: torch.
         for n in tagged.graph.nodes
         if n.op == "call_function" and meta.SEGMENT in n.meta
     )
+
+
+def block_facts(
+    blocks: BlockFacts, fw: fx.GraphModule, storages: list[StorageGroup], fw_ms: list[float]
+) -> Blocks | None:
+    """What recomputing each block would free and cost, from one partition's forward.
+
+    A storage belongs to a block when all its tensors do and none comes from a random op
+    (those stay saved inside a segment). Its users are the later blocks whose forward reads it.
+    """
+    if not blocks.index_of:
+        return None
+    nodes = list(fw.graph.nodes)
+    ms = dict.fromkeys(blocks.blocks, 0.0)
+    for pos, node in enumerate(nodes):
+        b = blocks.index_of.get(node.name)
+        if b is not None:
+            ms[b] += fw_ms[pos]
+    by_name = {n.name: n for n in nodes}
+    ms_of = dict(zip(nodes, fw_ms, strict=True))
+    member: list[int | None] = []
+    users: list[tuple[int, ...]] = []
+    own: list[float] = []
+    for s in storages:
+        own.append(max(_made_ms(by_name[a.name], ms_of) for a in s.members))
+        owners = {a.block for a in s.members}
+        b = owners.pop() if len(owners) == 1 else None
+        if b is not None and any(random_output(by_name[a.name]) for a in s.members):
+            b = None
+        reads = {
+            c
+            for a in s.members
+            for u in by_name[a.name].users
+            if (c := blocks.index_of.get(u.name)) is not None
+        }
+        member.append(b)
+        users.append(tuple(sorted(c for c in reads if b is not None and c > b)))
+    return Blocks(blocks.blocks, ms, member, users, own)
+
+
+def _made_ms(node: fx.Node, ms_of: dict[fx.Node, float]) -> float:
+    """Forward ms of the op that makes ``node``'s storage: ``node``'s own, through views (not
+    through ``getitem``: a multi-output op is spared only where all it outputs is saved)."""
+    spent = ms_of.get(node, 0.0)
+    while (is_view_like(node) and node.target is not operator.getitem and node.args
+           and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+        spent += ms_of.get(node, 0.0)
+    return spent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxckpt.planning.layouts import (
+    FILL_MARGIN,
     NONE,
     Blocks,
     Layout,
@@ -63,7 +65,10 @@ def block_problems(draw) -> tuple[Problem, Blocks]:
     overhead = draw(st.sampled_from([0.0, 0.5]))
     problem = Problem(Timeline(step, F, bw, None, overhead), Candidates(*cols))
     ms = {b: draw(st.sampled_from([0.5, 2.0, 6.0])) for b in range(n_blocks)}
-    return problem, Blocks(tuple(range(n_blocks)), ms, member, users)
+    # What saving each tensor spares its block's recompute (fill): at most the block's time.
+    own = [draw(st.sampled_from([0.0, 0.1, 0.4])) * (ms[b] / per if b is not None else 0.0)
+           for b in member]
+    return problem, Blocks(tuple(range(n_blocks)), ms, member, users, own)
 
 
 def base_choices(pb: Problem) -> list[str]:
@@ -88,7 +93,9 @@ def test_no_alternative_that_meets_the_budget_is_cheaper(case, frac):
     pick = search(pb, blocks, budget)
     sim = simulate(pick.problem, pick.solution.choices)
     assert (sim.peak, pick.feasible) == (pick.solution.peak, sim.peak <= budget)
-    assert math.isclose(pick.cost_ms, sim.cost_ms + blocks_ms(blocks, pick.layout), abs_tol=1e-9)
+    spared = sum(blocks.own_ms[i] for i in pick.kept)
+    assert math.isclose(pick.cost_ms, sim.cost_ms + blocks_ms(blocks, pick.layout) - spared,
+                        abs_tol=1e-9)
     alternatives = []
     for choices in (base_choices(pb), offload_all(pb)):  # min-cut alone; offload="all"
         alt = simulate(pb, choices)
@@ -215,3 +222,29 @@ def test_one_segment_over_the_whole_model_is_never_chosen():
     pick = search(pb, blocks, blind)
     assert not pick.feasible and pick.layout != whole
     assert options.index(pick.layout) in admissible(pb, blocks, options, "auto")
+
+
+def test_the_room_whole_blocks_leave_under_the_budget_spares_recompute():
+    pb, whole_blocks = uniform_decoder(n=8)
+    # Saving a block's second tensor spares more recompute per byte than the others.
+    own = [0.5 if i % 4 == 1 else 0.1 for i in range(len(pb))]
+    blocks = dataclasses.replace(whole_blocks, own_ms=own)
+    base = simulate(pb, base_choices(pb)).peak
+    for frac in (0.85, 0.6, 0.4):
+        budget = int(frac * base)
+        whole = search(pb, whole_blocks, budget)  # what saving a tensor spares unknown: no fill
+        pick = search(pb, blocks, budget)
+        assert pick.layout == whole.layout and pick.kept and not pick.kept & set(pick.freed)
+        assert set(pick.freed) | pick.kept == set(whole.freed)
+        limit = budget - int(budget * FILL_MARGIN)
+        assert whole.solution.peak < pick.solution.peak <= limit
+        # Each tensor it did not save would take the peak over that limit.
+        for i in whole.freed:
+            if i not in pick.kept:
+                assert pick.solution.peak + pb.candidates.bytes[i] > limit
+        assert simulate(pick.problem, pick.solution.choices).peak == pick.solution.peak
+        assert all(pick.problem.candidates.forced_of(i) == "keep" for i in pick.kept)
+        assert math.isclose(pick.cost_ms, whole.cost_ms - sum(own[i] for i in pick.kept))
+        # The most ms spared per byte first.
+        seconds = {i for i in whole.freed if i % 4 == 1}
+        assert seconds <= pick.kept or pick.kept <= seconds
