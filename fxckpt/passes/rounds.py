@@ -79,11 +79,9 @@ class Rounds:
         self.names |= decision.recompute
         self.saved |= decision.saved
         for a in part.saved:
-            if a.name in decision.saved:
+            if a.name in decision.saved or a.name in decision.recompute:
                 self.reasons[a.name] = decision.choices[a.storage].reason
-        for a in part.saved:
             if a.name in decision.recompute:
-                self.reasons[a.name] = decision.choices[a.storage].reason
                 self.flops[a.name] = decision.flops.get(a.name, 0.0)
                 self.rebuilt[a.name] = a
                 self.ms_of[a.storage] = decision.recompute_ms.get(a.storage, 0.0)

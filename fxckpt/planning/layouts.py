@@ -353,7 +353,6 @@ def _points(pb: Problem, budget: int, prefetch: str) -> list[Solution]:
     return [greedy, everything]
 
 
-
 # What :func:`fill` leaves unfilled, of the budget: the partition that carries a layout out
 # can hold a little more than this model of it (tensors min-cut saves at a segment's edge),
 # and a plan filled to the byte would then need an offload to fit again.

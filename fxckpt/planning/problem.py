@@ -399,7 +399,7 @@ def block_facts(
 
 def _made_ms(node: fx.Node, ms_of: dict[fx.Node, float]) -> float:
     """Forward ms of the op that makes ``node``'s storage: ``node``'s own, through views (not
-    through ``getitem``: a multi-output op is spared only where all it outputs is saved)."""
+    through ``getitem``: a multi-output op is spared only where all its outputs are saved)."""
     spent = ms_of.get(node, 0.0)
     while (is_view_like(node) and node.target is not operator.getitem and node.args
            and isinstance(node.args[0], fx.Node)):
