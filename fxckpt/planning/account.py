@@ -110,11 +110,21 @@ class PeakTarget:
     """The most one graph's own forward and backward may have live (bytes, what existed
     before the step left out) for the step to fit its budget; ``held``, where set, the most
     its forward may leave for its backward (a graph that runs several times a step holds that
-    once per run)."""
+    once per run).
+
+    A graph that runs several times a step also carries its runs' own rooms, ``runs``: for its
+    ``k + 1``-th run, ``(k, forward room, backward room)``; that run fits while ``k`` times what
+    each run keeps plus its peak is within the room. ``forward``, ``backward`` and ``held`` are
+    then one point that fits them all, the one the planner aims at, and :meth:`over_by` judges
+    a plan by the rooms: a plan that keeps less than ``held`` may peak above the point (the
+    peak of a backward need not shrink with what its forward keeps). ``cap``: the most it may
+    keep for the runs of other graphs after it."""
 
     forward: int
     backward: int
     held: int | None = None
+    runs: tuple[tuple[int, int, int], ...] = ()
+    cap: int | None = None
 
     @property
     def largest(self) -> int:
@@ -125,12 +135,18 @@ class PeakTarget:
 
     def over_by(self, forward_peak: int, backward_peak: int, held: int = 0) -> int:
         """Bytes by which the worst of the figures overruns (0 when all fit)."""
+        if self.runs:
+            over = max(0, *(k * held + max(forward_peak - f, backward_peak - b)
+                            for k, f, b in self.runs))
+            return over if self.cap is None else max(over, held - self.cap)
         over = max(0, forward_peak - self.forward, backward_peak - self.backward)
         return over if self.held is None else max(over, held - self.held)
 
     def lowered(self, by: int) -> PeakTarget:
         held = None if self.held is None else max(0, self.held - by)
-        return PeakTarget(max(1, self.forward - by), max(1, self.backward - by), held)
+        cap = None if self.cap is None else max(0, self.cap - by)
+        runs = tuple((k, f - by, b - by) for k, f, b in self.runs)
+        return PeakTarget(max(1, self.forward - by), max(1, self.backward - by), held, runs, cap)
 
 
 def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequence[Hashable],
@@ -170,14 +186,11 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
         grads += runs[j].gradients
     fw_set = max(0, own.forward_peak - own.held)
     bw_set = max(0, own.backward_peak - own.held)
-    held = None
+    rooms = []  # per run of its own: (runs before it, forward room, backward room)
     for n, j in enumerate(mine, start=1):
         extra = (n - 1) * own.saved_inputs  # the inputs its earlier runs saved
-        fw_room = budget - start - before[j] - own.inputs - extra - fw_set
-        bw_room = budget - start - before[j] - own.saved_inputs - extra - after_grads[j] - bw_set
-        here = min(fw_room, bw_room) // n
-        held = here if held is None else min(held, here)
-    assert held is not None
+        rooms.append((n - 1, budget - start - before[j] - own.inputs - extra,
+                      budget - start - before[j] - own.saved_inputs - extra - after_grads[j]))
     # The other graphs' runs after its first run find what its runs keep still held: at the
     # m-th of its runs before them, m * (h + the inputs it saved) beside their own peaks.
     later = None
@@ -190,9 +203,13 @@ def targets(budget: int, start: int, runs: Sequence[GraphFigures], keys: Sequenc
         here = min(fw_room, bw_room) // m - own.saved_inputs
         later = here if later is None else min(later, here)
     if len(mine) == 1:  # one run: the two phases need not share a figure for what it keeps
-        j = mine[0]
-        return PeakTarget(max(1, budget - start - before[j] - own.inputs),
-                          max(1, budget - start - before[j] - own.saved_inputs - after_grads[j]),
-                          None if later is None else max(0, later))
-    held = held if later is None else min(held, later)
-    return PeakTarget(max(1, held + fw_set), max(1, held + bw_set), max(0, held))
+        _, fw_room, bw_room = rooms[0]
+        return PeakTarget(max(1, fw_room), max(1, bw_room), None if later is None else max(0, later))
+    held = min(min(f - fw_set, b - bw_set) // (k + 1) for k, f, b in rooms)
+    held = max(0, held if later is None else min(held, later))
+    # Keeping ``held`` a run, each phase may have what its tightest run leaves it: at least
+    # ``held`` and the working set beside it, more where its peak is not where it keeps most.
+    forward = min(f - k * held for k, f, _ in rooms)
+    backward = min(b - k * held for k, _, b in rooms)
+    return PeakTarget(max(1, forward), max(1, backward), held, tuple(rooms),
+                      None if later is None else max(0, later))

@@ -28,7 +28,9 @@ order of the step just finished is known and the start level is measured again: 
 is composed from every graph's figures, and where it is over the budget (the optimizer's state
 appeared after the first ``optimizer.step()``, a graph runs several times, Inductor's own
 schedule holds more than the plan's liveness) the graphs whose runs hold more than their
-target are compiled again for it, before the step's first graph runs, at most
+target are compiled again for it, before the step's first graph runs (where it fits with
+room to spare, the graphs that gave something up are planned again for that room instead,
+:mod:`fxckpt.planning.step_room`), at most
 :data:`MAX_REPLANS` compiles per step and :data:`MAX_STEP_REPLANS` steps that re-plan. The
 first step in which nothing compiles, and the first after each re-plan, is measured whole:
 what it held beyond the plans' figures (eager code between the graphs; under Inductor, what
@@ -65,13 +67,7 @@ from fxckpt.planning.account import (
     targets,
 )
 from fxckpt.planning.plan_round import hints
-from fxckpt.planning.start_level import (
-    EagerBytes,
-    StartLevel,
-    alive,
-    new_gradients,
-    storage_bytes,
-)
+from fxckpt.planning.start_level import EagerBytes, StartLevel, alive, new_gradients, storage_bytes
 from fxckpt.planning.step_graphs import (
     Graph,
     Ticket,
@@ -81,6 +77,7 @@ from fxckpt.planning.step_graphs import (
     scheduled_figures,
     scheduled_margin,
 )
+from fxckpt.planning.step_room import use_room
 from fxckpt.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -203,7 +200,7 @@ class StepBudget:
 
         self.compiles += 1
         holder.append(build(None, example_inputs))  # the real inputs are not kept past this
-        entry.recompile = None
+        entry.recompile, entry.compiled, entry.raises = None, holder, 0
         if fakes is not None:
             def recompile(target: PeakTarget) -> None:
                 entry.known = False  # the re-plan's partition says what it holds
@@ -299,6 +296,8 @@ class StepBudget:
                      "again", format_bytes(level), format_bytes(level - self.start_bytes))
         self.start_bytes = max(level, self.start_bytes) if not grew else level
         if self.fits():
+            if self.replanning_steps < MAX_STEP_REPLANS:
+                use_room(self)  # a step with room to spare gives it back
             return
         if self.replanning_steps < MAX_STEP_REPLANS:
             self.replanning_steps += 1

@@ -46,6 +46,8 @@ class Graph:
     fraction: tuple[int, int] | None = None  # a fraction's (plain, floor), the own figures
     recompile: Callable[[PeakTarget], None] | None = None
     ranged: frozenset[str] = frozenset()  # size symbols with a range's end at its first plan
+    compiled: list[Any] = dataclasses.field(default_factory=list)  # what its runs call
+    raises: int = 0  # re-plans for more room than its plan was made for
 
     @property
     def label(self) -> str:

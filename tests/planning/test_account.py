@@ -52,10 +52,67 @@ def test_a_graph_that_runs_n_times_must_keep_a_share_of_what_is_left() -> None:
     assert t.held is not None
     # 4 runs: 4 * held + what its backward holds beside it (300) must fit in 2000.
     assert t.held == (2000 - 300) // 4
-    assert t.backward == t.held + 300 and t.forward == t.held + 100
+    # Keeping that, each phase may have what the last run leaves it: 2000 - 3 * held, the
+    # forward too (its working set is smaller, so it gets more than held + 100).
+    assert t.backward == t.forward == 2000 - 3 * t.held
     # ... and the account of four runs at that target fits.
     planned = GraphFigures(t.forward, t.backward, t.held)
     assert compose(1000, [planned] * 4).peak <= HEADROOM + 1000 + 2000 - HEADROOM
+
+
+def test_a_plan_that_keeps_less_than_its_share_may_peak_higher() -> None:
+    """The backward's peak of a layer need not shrink with what its forward keeps: a plan that
+    keeps less than the target's point and peaks above it fits the step all the same, and the
+    target says so."""
+    layer = GraphFigures(forward_peak=300, backward_peak=500, held=200)
+    budget = HEADROOM + 1000 + 2000
+    t = targets(budget, 1000, [layer] * 4, ["L"] * 4, "L")
+    assert t.held is not None
+    # Keeping 100 less a run leaves the last run's backward 300 more: 3 * 100.
+    less, peak = t.held - 100, t.backward + 300
+    assert t.met_by(t.forward, peak, less)
+    assert compose(1000, [GraphFigures(t.forward, peak, less)] * 4).peak <= budget - HEADROOM
+    assert t.over_by(t.forward, peak + 1, less) == 1
+    assert t.over_by(t.forward, t.backward, t.held + 1) == 3  # the last run finds 3 earlier ones
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500), st.integers(0, 300),
+                       st.integers(0, 100), st.sampled_from("ab")), min_size=2, max_size=8),
+    st.integers(0, 2000), st.integers(0, 5000),
+    st.tuples(st.integers(0, 800), st.integers(0, 800), st.integers(0, 400)),
+)
+def test_a_target_judges_a_plan_as_the_step_account_does(runs, start, room, plan) -> None:
+    """For a graph that runs several times, the target's verdict on any plan of it is the
+    account's: its own runs fit exactly when the target is met (what it keeps within the room
+    later graphs' runs leave it)."""
+    figures = [GraphFigures(max(f, h), max(b, h), h, g) for f, b, h, g, _ in runs]
+    keys = [k for *_, k in runs]
+    budget = start + room + HEADROOM
+    key = keys[0]
+    if keys.count(key) < 2:
+        return
+    t = targets(budget, start, figures, keys, key)
+    fw, bw, held = plan
+    mine = GraphFigures(max(fw, held), max(bw, held), held, figures[0].gradients)
+    fitted = [mine if k == key else f for f, k in zip(figures, keys, strict=True)]
+    own_runs_fit = all(max(_forward_at(start, fitted, j), _backward_at(start, fitted, j))
+                       <= budget - HEADROOM for j, k in enumerate(keys) if k == key)
+    within_cap = t.cap is None or mine.held <= t.cap
+    assert t.met_by(mine.forward_peak, mine.backward_peak, mine.held) == (own_runs_fit and within_cap)
+
+
+def _forward_at(start: int, runs: list[GraphFigures], j: int) -> int:
+    """What the device holds while run ``j``'s forward runs (compose's forward term)."""
+    return start + sum(r.held + r.saved_inputs for r in runs[:j]) + runs[j].inputs + runs[j].forward_peak
+
+
+def _backward_at(start: int, runs: list[GraphFigures], j: int) -> int:
+    """What the device holds while run ``j``'s backward runs (compose's backward term)."""
+    before = sum(r.held + r.saved_inputs for r in runs[:j])
+    grads = sum(r.gradients for r in runs[j + 1:])
+    return start + before + runs[j].saved_inputs + grads + runs[j].backward_peak
 
 
 @settings(max_examples=200, deadline=None)
