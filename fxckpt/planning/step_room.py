@@ -13,7 +13,9 @@ step's figures, grew, is planned again for that target: the largest holders firs
 :data:`MAX_RAISES` times a graph. A new plan is kept only where the step's account, with its
 figures, still fits the budget; else the graph goes back to the plan it ran, compiled as it
 was, and keeps it. Nothing runs before it is judged, so the step's peak never rises above the
-budget on the way.
+budget on the way. Under Inductor nothing is planned again for room: a plan's figure there is
+Inductor's own schedule, known once its backward has run, so a new plan could not be judged
+before it ran.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def use_room(step: StepBudget) -> None:
 
     budget = step.budget
     assert budget is not None
+    if step.options.compiler == "inductor":
+        return  # a new plan's figure is Inductor's schedule, known once it has run
     keys, _ = step.sequence()
     counts = {k: keys.count(k) for k in keys if k in step.graphs}
     raised = 0
