@@ -212,6 +212,8 @@ def test_a_graph_that_runs_in_every_layer_uses_the_room_its_runs_leave() -> None
     _, budget, plans, measured = _check_step(_llama_breaks, 0.7)
     assert measured.absolute_peak_bytes >= 0.93 * budget, (measured, budget)
     assert any(g.raises for g in _step_of(plans).graphs.values())
+    # The layer graph's plans carry the rooms they were judged by (a warm cache reads them).
+    assert any(p.target and p.target.get("runs") for p in plans)
 
 
 def _decoder() -> tuple[nn.Module, tuple[Any, ...]]:
@@ -401,6 +403,30 @@ def test_a_plan_from_a_warm_cache_gives_the_step_the_figures_a_cold_compile_does
     measured = measure_absolute_step(compiled, model, inputs, warm=1)
     assert cold.account().peak <= budget
     assert measured.absolute_peak_bytes <= budget
+
+
+def test_a_plan_from_a_warm_cache_carries_the_rooms_its_runs_were_judged_by() -> None:
+    # A graph that runs four times was judged by each run's room: a plan over the target's
+    # point in its backward, keeping less, fits. Its plan carries the rooms, so the step a
+    # warm cache serves judges it the same and does not plan it again.
+    import json
+
+    from fxckpt.planning.plan import Plan
+
+    layer = GraphFigures(forward_peak=300, backward_peak=500, held=200)
+    target = targets(HEADROOM + 1000 + 2000, 1000, [layer] * 4, ["L"] * 4, "L")
+    assert target.held is not None and target.runs
+    held, backward = target.held - 100, target.backward + 300
+    plan = Plan(name="L", activations=[], forward_peak_bytes=target.forward, backward_peak_bytes=backward,
+                held_bytes=held)  # fmt: skip
+    plan.target = {"forward_bytes": target.forward, "backward_bytes": target.backward,
+                   "held_bytes": target.held, "runs": [list(r) for r in target.runs]}  # fmt: skip
+    step = sb.StepBudget(Options(memory_budget=HEADROOM + 1000 + 2000))
+    step.graphs["L"] = sb.Graph("")
+    sb.Ticket(step, "L", None, None).reported(json.dumps(plan.to_dict()))
+    g = step.graphs["L"]
+    assert g.target == target and g.over == 0
+    assert dataclasses.replace(target, runs=()).over_by(target.forward, backward, held) > 0
 
 
 @pytest.mark.parametrize("budget", [0.5, 2**20], ids=["fraction", "bytes"])

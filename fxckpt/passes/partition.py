@@ -368,6 +368,10 @@ def _settle(ctx: Context) -> None:
         plan.target = {"forward_bytes": target.forward, "backward_bytes": target.backward}
         if target.held is not None:
             plan.target["held_bytes"] = target.held
+        if target.runs:  # each run's room, by which the step judges the plan (account.PeakTarget)
+            plan.target["runs"] = [list(r) for r in target.runs]
+            if target.cap is not None:
+                plan.target["cap_bytes"] = target.cap
 
 
 def _offload(ctx: Context) -> None:

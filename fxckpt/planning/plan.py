@@ -202,8 +202,9 @@ class Plan:
     backward_peak_bytes: int = 0
     held_bytes: int = 0
     # What memory_budget leaves the graph's own forward and backward ({"forward_bytes",
-    # "backward_bytes"}), where a budget is set.
-    target: dict[str, int] | None = None
+    # "backward_bytes"}, and for a graph that runs several times "held_bytes" and "runs", each
+    # run's [runs before it, forward room, backward room]), where a budget is set.
+    target: dict[str, Any] | None = None
     # The step's predicted peak with this graph's plan, and its parts at the peak
     # (planning.account.Account.parts: start_bytes, gradients_bytes, activations_bytes,
     # total_bytes), where a budget is set.

@@ -203,9 +203,11 @@ class Ticket:
         entry.backward_peak = int(plan.get("backward_peak_bytes") or 0)
         entry.held = int(plan.get("held_bytes") or 0)
         if (t := plan.get("target")) is not None:
-            held = t.get("held_bytes")
+            held, cap = t.get("held_bytes"), t.get("cap_bytes")
             entry.target = PeakTarget(int(t["forward_bytes"]), int(t["backward_bytes"]),
-                                      None if held is None else int(held))
+                                      None if held is None else int(held),
+                                      tuple((int(k), int(f), int(b)) for k, f, b in t.get("runs", ())),
+                                      None if cap is None else int(cap))  # fmt: skip
             entry.over = entry.target.over_by(entry.forward_peak, entry.backward_peak, entry.held)
         entry.known = True
 
