@@ -315,12 +315,7 @@ class StepBudget:
     def _rebalance(self) -> None:
         """Compile again, for its target in this step, each graph whose runs hold more than
         it: the largest holders first, at most :data:`MAX_REPLANS` compiles."""
-        budget = self.budget
-        assert budget is not None
-        keys, _ = self.sequence()
-        counts = {k: keys.count(k) for k in keys if k in self.graphs}
-        order = sorted(counts, key=lambda k: -counts[k] * max(self.graphs[k].held, 1))
-        for k in order:
+        for k, runs in self.holders():
             if self.fits() or self.replans >= MAX_REPLANS:
                 return
             g = self.graphs[k]
@@ -329,8 +324,14 @@ class StepBudget:
             self.replans += 1
             log.info("fxckpt[%s] runs %d time(s) a step and holds more than the budget leaves "
                      "it; planning it again (forward within %s, backward within %s)", g.label,
-                     counts[k], format_bytes(want.forward), format_bytes(want.backward))
+                     runs, format_bytes(want.forward), format_bytes(want.backward))
             g.recompile(want)
+
+    def holders(self) -> list[tuple[object, int]]:
+        """Each graph of the step with its runs a step, the largest holders first."""
+        keys, _ = self.sequence()
+        counts = {k: keys.count(k) for k in keys if k in self.graphs}
+        return sorted(counts.items(), key=lambda kc: -kc[1] * max(self.graphs[kc[0]].held, 1))
 
     def _lower(self, k: object) -> PeakTarget | None:
         """The target graph ``k`` would plan again for: its share less what the compiler's

@@ -50,18 +50,16 @@ def use_room(step: StepBudget) -> None:
     assert budget is not None
     if step.options.compiler == "inductor":
         return  # a new plan's figure is Inductor's schedule, known once it has run
-    keys, _ = step.sequence()
-    counts = {k: keys.count(k) for k in keys if k in step.graphs}
     raised = 0
-    for k in sorted(counts, key=lambda k: -counts[k] * max(step.graphs[k].held, 1)):
+    for k, _ in step.holders():
         spare = budget - HEADROOM - step.account().peak
         if spare < budget * ROOM or step.replans >= MAX_REPLANS:
             break
         g = step.graphs[k]
         if g.recompile is None or not g.known or g.target is None or g.raises >= MAX_RAISES:
             continue
-        want = step.target(k)
-        if not _gave_up(g) or not _grows(want, g, budget):
+        want = step.target(k)  # numbers only; the plan's JSON is read where the target grew
+        if not _grows(want, g, budget) or not _gave_up(g):
             continue
         before = {f: getattr(g, f) for f in _FIGURES}
         compiled = g.compiled[0] if g.compiled else None
