@@ -2,7 +2,7 @@
 
 fxckpt supports torch 2.11 up to (not including) 2.16; when a name below moves, this is the
 only file to change. Callers import it as ``compat`` and name everything ``compat.<name>``.
-What each name relies on, why, and what to check when torch changes it: docs/torch-internals.md.
+What each relies on, and what to check when torch changes it: docs/torch-internals.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if not (MIN_TORCH <= TORCH_VERSION < MAX_TORCH_EXCLUSIVE):  # pragma: no cover
 
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402, F401
 from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402, F401  (lets go of inputs)
+from torch._functorch import config as _functorch_config  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402, F401
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: E402, F401
@@ -58,16 +59,14 @@ def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
 
 def dedup_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """``joint`` after min-cut's CSE pass, or None where ``torch._functorch.config.cse`` is off."""
-    from torch._functorch import config
     from torch._functorch.compile_utils import fx_graph_cse
-    return make_graph_module(joint, fx_graph_cse(joint.graph)) if config.cse else None
+    return make_graph_module(joint, fx_graph_cse(joint.graph)) if _functorch_config.cse else None
 
 
 def min_cut_without_cse(joint: torch.fx.GraphModule, joint_inputs: Any,
                         **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """min-cut on a joint graph :func:`dedup_joint` already deduplicated."""
-    from torch._functorch import config
-    with config.patch(cse=False):
+    with _functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
@@ -447,6 +446,12 @@ def no_tracing_context() -> Any:
     """A context outside any dynamo tracing context, to compile a graph inside another's."""
     from torch._guards import tracing
     return tracing(None)
+
+
+def backward_compiled_now() -> Any:
+    """A context in which AOTAutograd compiles a graph's backward with its forward (not lazily,
+    at the backward's first run), so that what its compiler reports of it exists at once."""
+    return _functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 # Memory events: the CPU allocator's reports to the profiler, with no op recorded.

@@ -17,7 +17,7 @@ MAX_LINES = 450
 COMPAT = PACKAGE / "_torch_compat.py"
 # Every torch internal must go through the compat module, so it cannot be split like the
 # others; it gets a little more room, and still a limit.
-COMPAT_MAX_LINES = 500
+COMPAT_MAX_LINES = 510
 INTERNALS_DOC = ROOT / "docs" / "torch-internals.md"
 
 

@@ -142,6 +142,12 @@ class PeakTarget:
         over = max(0, forward_peak - self.forward, backward_peak - self.backward)
         return over if self.held is None else max(over, held - self.held)
 
+    def raised(self, forward: int, backward: int) -> PeakTarget:
+        """Each phase's room (and each run's) that much higher; what it may keep as it was."""
+        runs = tuple((k, f + forward, b + backward) for k, f, b in self.runs)
+        return PeakTarget(max(1, self.forward + forward), max(1, self.backward + backward),
+                          self.held, runs, self.cap)
+
     def lowered(self, by: int) -> PeakTarget:
         held = None if self.held is None else max(0, self.held - by)
         cap = None if self.cap is None else max(0, self.cap - by)

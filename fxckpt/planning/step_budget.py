@@ -200,7 +200,7 @@ class StepBudget:
 
         self.compiles += 1
         holder.append(build(None, example_inputs))  # the real inputs are not kept past this
-        entry.recompile, entry.compiled, entry.raises = None, holder, 0
+        entry.recompile, entry.compiled, entry.raises, entry.refused = None, holder, 0, None
         if fakes is not None:
             def recompile(target: PeakTarget) -> None:
                 entry.known = False  # the re-plan's partition says what it holds

@@ -48,6 +48,7 @@ class Graph:
     ranged: frozenset[str] = frozenset()  # size symbols with a range's end at its first plan
     compiled: list[Any] = dataclasses.field(default_factory=list)  # what its runs call
     raises: int = 0  # re-plans for more room than its plan was made for
+    refused: PeakTarget | None = None  # the last such target whose plan did not fit the step
 
     @property
     def label(self) -> str:
@@ -73,40 +74,46 @@ def no_tighter(a: PeakTarget, b: PeakTarget) -> bool:
 
 
 def scheduled_figures(graphs: Any, scheduled: Callable[[str], tuple[int, int] | None]) -> bool:
-    """Take the compiler's own schedule peaks (Inductor's, known after a graph's first
-    backward) into the graphs' figures where they exceed the liveness figures; whether any
-    changed."""
+    """Take the compiler's own schedule peaks (Inductor's, known once a graph's backward has
+    compiled) as the graphs' figures, above or below the plans' liveness: what the device
+    holds under that compiler. Whether any changed."""
     changed = False
     for g in graphs:
         if not g.payload:
             continue
         parts = scheduled(g.payload)
-        if parts is None:
+        if parts is None or parts == (g.forward_peak, g.backward_peak):
             continue
-        fw, bw = parts
-        if fw > g.forward_peak or bw > g.backward_peak:
-            g.forward_peak, g.backward_peak = max(fw, g.forward_peak), max(bw, g.backward_peak)
-            changed = True
-            if g.target is not None and not g.target.met_by(g.forward_peak, g.backward_peak, g.held):
-                g.over = g.target.over_by(g.forward_peak, g.backward_peak, g.held)
+        g.forward_peak, g.backward_peak = parts
+        changed = True
+        if g.target is not None and not g.target.met_by(g.forward_peak, g.backward_peak, g.held):
+            g.over = g.target.over_by(g.forward_peak, g.backward_peak, g.held)
     return changed
 
 
-def scheduled_margin(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]) -> int:
-    """What the compiler's schedule held over the plan's liveness figure: a re-plan aims that
-    much lower, so that the schedule of the new plan fits."""
+def scheduled_gaps(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]
+                   ) -> tuple[int, int]:
+    """By how much the compiler's schedule of the plan held less than the plan's liveness, in
+    its forward and in its backward (negative: more). A plan is made for its liveness, so a
+    re-plan for a target in schedule figures aims each phase that much higher."""
     if not g.payload:
-        return 0
+        return 0, 0
     try:
         plan = json.loads(g.payload)
     except ValueError:
-        return 0
+        return 0, 0
     parts = scheduled(g.payload)
     if parts is None:
-        return 0
+        return 0, 0
     fw = int(plan.get("forward_peak_bytes") or 0)
     bw = int(plan.get("backward_peak_bytes") or 0)
-    return max(0, parts[0] - fw, parts[1] - bw)
+    return fw - parts[0], bw - parts[1]
+
+
+def scheduled_margin(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]) -> int:
+    """What the compiler's schedule held over the plan's liveness, in the phase where it held
+    the most over it (0 where it held no more in either)."""
+    return max(0, *(-gap for gap in scheduled_gaps(g, scheduled)))
 
 
 class Ticket:

@@ -13,9 +13,14 @@ step's figures, grew, is planned again for that target: the largest holders firs
 :data:`MAX_RAISES` times a graph. A new plan is kept only where the step's account, with its
 figures, still fits the budget; else the graph goes back to the plan it ran, compiled as it
 was, and keeps it. Nothing runs before it is judged, so the step's peak never rises above the
-budget on the way. Under Inductor nothing is planned again for room: a plan's figure there is
-Inductor's own schedule, known once its backward has run, so a new plan could not be judged
-before it ran.
+budget on the way.
+
+Under Inductor a plan's figures are Inductor's own schedule of its two graphs, which can hold
+less than the plan's liveness (values that stay inside fused kernels): the room a plan made
+for its liveness leaves. A plan there is made again for its target raised by that difference,
+with its backward compiled at once (``compat.backward_compiled_now``; it otherwise compiles at
+its first run), so that the new plan's schedule, not its liveness, judges it before it runs.
+A new plan whose schedule is not known then (a warm cache without its figures) is not kept.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from fxckpt import _torch_compat as compat
 from fxckpt.planning.account import HEADROOM, PeakTarget
-from fxckpt.planning.step_graphs import Graph
+from fxckpt.planning.step_graphs import Graph, no_tighter, scheduled_figures, scheduled_gaps
 from fxckpt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -48,8 +54,7 @@ def use_room(step: StepBudget) -> None:
 
     budget = step.budget
     assert budget is not None
-    if step.options.compiler == "inductor":
-        return  # a new plan's figure is Inductor's schedule, known once it has run
+    inductor = step.options.compiler == "inductor"
     raised = 0
     for k, _ in step.holders():
         spare = budget - HEADROOM - step.account().peak
@@ -59,6 +64,10 @@ def use_room(step: StepBudget) -> None:
         if g.recompile is None or not g.known or g.target is None or g.raises >= MAX_RAISES:
             continue
         want = step.target(k)  # numbers only; the plan's JSON is read where the target grew
+        if inductor:  # a plan is made for its liveness; its schedule held that much less
+            want = want.raised(*scheduled_gaps(g, step.scheduled))
+        if g.refused is not None and no_tighter(want, g.refused):
+            continue  # as loose as a target whose plan did not fit: it would not fit either
         if not _grows(want, g, budget) or not _gave_up(g):
             continue
         before = {f: getattr(g, f) for f in _FIGURES}
@@ -68,13 +77,20 @@ def use_room(step: StepBudget) -> None:
         log.info("fxckpt[%s] the step leaves %s of its budget unused; planning it again for "
                  "more (forward within %s, backward within %s)", g.label, format_bytes(spare),
                  format_bytes(want.forward), format_bytes(want.backward))
-        g.recompile(want)
-        if g.known and step.fits():
+        if inductor:
+            with compat.backward_compiled_now():
+                g.recompile(want)
+            judged = scheduled_figures([g], step.scheduled) or step.scheduled(g.payload) is not None
+        else:
+            g.recompile(want)
+            judged = True
+        if g.known and judged and step.fits():
             raised += 1
             continue
         log.info("fxckpt[%s] the new plan does not fit the step; it keeps the plan it ran", g.label)
         for f, v in before.items():
             setattr(g, f, v)
+        g.refused = want
         if compiled is not None:
             g.compiled[0] = compiled
     if raised:
