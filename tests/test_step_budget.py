@@ -624,6 +624,24 @@ def test_inductor_holds_a_byte_budget_across_a_break() -> None:
     assert measure_absolute_step(compiled, model, inputs, warm=1).absolute_peak_bytes <= budget
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_under_inductor_a_step_uses_the_room_its_schedule_leaves() -> None:
+    # The decoder's plan fills its target in liveness, and Inductor's schedule of it holds
+    # 0.26 MB less (0.929 of N, measured, before the step gave that room back). Planned again
+    # for its target raised by that, the new plan's backward compiled at once and judged by
+    # its schedule, it uses the budget and holds it.
+    budget = int(0.7 * _plain_peak(_decoder, "inductor"))
+    model, inputs = _decoder()
+    fxckpt.reset_stats()
+    backend = fxckpt.backend(compiler="inductor", memory_budget=budget)
+    compiled = assert_step_matches(model, inputs, backend, reference_backend="inductor",
+                                   steps=3, **TOL)  # fmt: skip
+    measured = measure_absolute_step(compiled, model, inputs, warm=1).absolute_peak_bytes
+    assert 0.95 * budget <= measured <= budget, (measured, budget)
+    assert any(g.raises for g in _step_of(fxckpt.last_plans()).graphs.values())
+
+
 class _ScratchInBackward(torch.autograd.Function):
     """Eager code whose backward allocates a scratch tensor: in no graph's plan."""
 
