@@ -63,7 +63,7 @@ def use_room(step: StepBudget) -> None:
         g = step.graphs[k]
         if g.recompile is None or not g.known or g.target is None or g.raises >= MAX_RAISES:
             continue
-        want = step.target(k)  # numbers only; the plan's JSON is read where the target grew
+        want = step.target(k)  # numbers only (under Inductor its gaps read the plan's JSON)
         if inductor:  # a plan is made for its liveness; its schedule held that much less
             want = want.raised(*scheduled_gaps(g, step.scheduled))
         if g.refused is not None and no_tighter(want, g.refused):
