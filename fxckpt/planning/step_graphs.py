@@ -8,6 +8,7 @@ while the graph compiles: it gives the graph its target and takes the plan's fig
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import weakref
 from collections.abc import Callable, Sequence
@@ -60,9 +61,9 @@ class Graph:
 
     def liveness(self) -> GraphFigures:
         """Its figures at its plan's own liveness peaks (a compiler's schedule left out)."""
-        plan = json.loads(self.payload) if self.payload else {}
-        fw = min(int(plan.get("forward_peak_bytes") or self.forward_peak), self.forward_peak)
-        bw = min(int(plan.get("backward_peak_bytes") or self.backward_peak), self.backward_peak)
+        fw, bw = plan_peaks(self.payload)
+        fw = min(fw or self.forward_peak, self.forward_peak)
+        bw = min(bw or self.backward_peak, self.backward_peak)
         return dataclasses.replace(self.figures(), forward_peak=fw, backward_peak=bw)
 
 
@@ -96,18 +97,22 @@ def scheduled_gaps(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]
     """By how much the compiler's schedule of the plan held less than the plan's liveness, in
     its forward and in its backward (negative: more). A plan is made for its liveness, so a
     re-plan for a target in schedule figures aims each phase that much higher."""
-    if not g.payload:
-        return 0, 0
-    try:
-        plan = json.loads(g.payload)
-    except ValueError:
-        return 0, 0
-    parts = scheduled(g.payload)
+    parts = scheduled(g.payload) if g.payload else None
     if parts is None:
         return 0, 0
-    fw = int(plan.get("forward_peak_bytes") or 0)
-    bw = int(plan.get("backward_peak_bytes") or 0)
+    fw, bw = plan_peaks(g.payload)
     return fw - parts[0], bw - parts[1]
+
+
+@functools.lru_cache(maxsize=256)
+def plan_peaks(payload: str) -> tuple[int, int]:
+    """A plan's forward and backward liveness peaks (0 where it has none), read once per plan:
+    the step reads them at step starts."""
+    try:
+        plan = json.loads(payload) if payload else {}
+    except ValueError:
+        return 0, 0
+    return int(plan.get("forward_peak_bytes") or 0), int(plan.get("backward_peak_bytes") or 0)
 
 
 def scheduled_margin(g: Graph, scheduled: Callable[[str], tuple[int, int] | None]) -> int:
